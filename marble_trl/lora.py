@@ -1,0 +1,124 @@
+"""The trainable and old-policy LoRA adapters on one transformer, and the parameter EMA.
+
+DiffusionNFT keeps the old policy as a second LoRA adapter ("old") on the same transformer: rollouts and ``v_old``
+use it, and after every optimizer step it moves towards the trained adapter,
+``theta_old <- eta theta_old + (1 - eta) theta``. The reference model of the KL term is the transformer with all
+adapters disabled.
+
+peft's ``set_adapter`` / ``enable_adapters`` switch ``requires_grad`` on for the adapter they activate; the context
+managers here restore the trainable flags on exit, so the optimizer and DDP see a stable set of trainable parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+TRAIN_ADAPTER = "default"
+OLD_ADAPTER = "old"
+
+
+def lora_parameters(module: nn.Module, adapter: str) -> dict[str, nn.Parameter]:
+    """``{name: parameter}`` of one LoRA adapter (names contain ``.<adapter>.``)."""
+    tag = f".{adapter}."
+    return {n: p for n, p in module.named_parameters() if tag in n and "lora_" in n}
+
+
+def add_policy_adapters(transformer: nn.Module, lora_config) -> None:
+    """Add the trainable adapter and the old-policy adapter (an exact copy, frozen); freeze everything else."""
+    transformer.requires_grad_(False)
+    transformer.add_adapter(lora_config, adapter_name=TRAIN_ADAPTER)
+    transformer.add_adapter(copy.deepcopy(lora_config), adapter_name=OLD_ADAPTER)
+    transformer.set_adapter(TRAIN_ADAPTER)
+    train, old = lora_parameters(transformer, TRAIN_ADAPTER), lora_parameters(transformer, OLD_ADAPTER)
+    if not train:
+        raise ValueError(
+            "The LoRA config matched no module of the transformer: check lora_target_modules "
+            f"(got {getattr(lora_config, 'target_modules', None)})."
+        )
+    with torch.no_grad():
+        for name, param in train.items():
+            old[_old_name(name)].copy_(param)
+    _set_trainable(transformer)
+
+
+def _old_name(train_name: str) -> str:
+    return train_name.replace(f".{TRAIN_ADAPTER}.", f".{OLD_ADAPTER}.")
+
+
+def _set_trainable(transformer: nn.Module) -> None:
+    for name, param in transformer.named_parameters():
+        param.requires_grad_(f".{TRAIN_ADAPTER}." in name and "lora_" in name)
+
+
+@contextlib.contextmanager
+def use_old_policy(transformer: nn.Module) -> Iterator[None]:
+    """Run the transformer with the old-policy adapter active."""
+    transformer.set_adapter(OLD_ADAPTER)
+    try:
+        yield
+    finally:
+        transformer.set_adapter(TRAIN_ADAPTER)
+        _set_trainable(transformer)
+
+
+@contextlib.contextmanager
+def use_reference(transformer: nn.Module) -> Iterator[None]:
+    """Run the pretrained transformer (every adapter disabled): the reference of the KL term."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+        transformer.set_adapter(TRAIN_ADAPTER)
+        _set_trainable(transformer)
+
+
+@torch.no_grad()
+def soft_update_old_policy(transformer: nn.Module, eta: float) -> None:
+    """``theta_old <- eta theta_old + (1 - eta) theta`` (eta = 0 copies the trained adapter)."""
+    old = lora_parameters(transformer, OLD_ADAPTER)
+    for name, param in lora_parameters(transformer, TRAIN_ADAPTER).items():
+        target = old[_old_name(name)]
+        target.mul_(eta).add_(param.detach().to(target.dtype), alpha=1.0 - eta)
+
+
+class LoraEMA:
+    """EMA of the trainable LoRA weights (float32), for evaluation and export only; never used in the loss."""
+
+    def __init__(self, transformer: nn.Module) -> None:
+        self.shadow = {n: p.detach().float().clone() for n, p in lora_parameters(transformer, TRAIN_ADAPTER).items()}
+
+    @torch.no_grad()
+    def update(self, transformer: nn.Module, decay: float) -> None:
+        for name, param in lora_parameters(transformer, TRAIN_ADAPTER).items():
+            self.shadow[name].mul_(decay).add_(param.detach().float(), alpha=1.0 - decay)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self.shadow)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = set(self.shadow) - set(state)
+        if missing:
+            raise KeyError(f"Parameter-EMA state lacks {len(missing)} LoRA weights, e.g. {sorted(missing)[0]!r}.")
+        for name in self.shadow:
+            self.shadow[name].copy_(state[name])
+
+    @contextlib.contextmanager
+    def swapped_in(self, transformer: nn.Module) -> Iterator[None]:
+        """Temporarily load the EMA weights into the trainable adapter."""
+        params = lora_parameters(transformer, TRAIN_ADAPTER)
+        backup = {n: p.detach().clone() for n, p in params.items()}
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(self.shadow[name].to(param.dtype))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, param in params.items():
+                    param.copy_(backup[name])

@@ -1,0 +1,287 @@
+"""Configuration of :class:`~marble_trl.MarbleDiffusionNFTTrainer`."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ._trl import BaseConfig
+from .advantages import SCALE_REWARDS
+from .nft import DECAY_TYPES
+
+AGGREGATIONS = ("auto", "marble", "sum_then_normalize", "normalize_then_sum")
+SAMPLER_ALIASES = ("euler", "heun", "dpm2")
+DEFAULT_LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+]
+
+
+@dataclass
+class MarbleDiffusionNFTConfig(BaseConfig):
+    r"""Configuration for DiffusionNFT / MARBLE training of text-to-image flow models.
+
+    Subclasses TRL's trainer config (hence [`~transformers.TrainingArguments`]): every ``TrainingArguments`` field
+    (``output_dir``, ``learning_rate``, ``max_steps``, ``logging_steps``, ``save_steps``, ``report_to``, ``seed``, ...)
+    works as usual. Defaults follow the DiffusionNFT reference for SD3.5 Medium (arXiv 2509.16117) and MARBLE
+    (arXiv 2605.06507); see ``docs/config.md`` for the full reference.
+
+    Batching (as TRL's GRPO): ``per_device_train_batch_size`` counts *images* per micro-batch and process; one
+    optimizer step uses ``per_device_train_batch_size * gradient_accumulation_steps * num_processes`` images, i.e.
+    that many divided by ``num_generations`` prompts. Setting ``prompts_per_step`` derives
+    ``gradient_accumulation_steps`` from it.
+    """
+
+    # --- TrainingArguments defaults changed for this trainer ---
+    learning_rate: float = field(default=3e-4, metadata={"help": "AdamW learning rate (DiffusionNFT: 3e-4)."})
+    weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay (DiffusionNFT: 1e-4)."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (DiffusionNFT: 1.0)."})
+    lr_scheduler_type: str = field(default="constant", metadata={"help": "LR schedule (DiffusionNFT: constant)."})
+    logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "Enable gradient checkpointing on the diffusers transformer (saves activation memory, costs "
+            "about one more forward). Applied with `transformer.enable_gradient_checkpointing()`."
+        },
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "bf16 mixed precision. Unset: on when a CUDA device with bf16 support is present, off on CPU "
+            "(DiffusionNFT trains SD3.5 in bf16)."
+        },
+    )
+    remove_unused_columns: bool = field(
+        default=False,
+        metadata={"help": "Keep every dataset column: extra columns are passed to the reward functions."},
+    )
+
+    # --- LoRA ---
+    lora_r: int = field(default=32, metadata={"help": "LoRA rank (DiffusionNFT SD3.5: 32)."})
+    lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (DiffusionNFT SD3.5: 64)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout (reference: 0)."})
+    lora_init: str = field(
+        default="gaussian",
+        metadata={"help": "peft `init_lora_weights`: 'gaussian' (reference), 'true' (Kaiming A, zero B), ..."},
+    )
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        metadata={"help": "Transformer modules that get LoRA (reference: the joint-attention projections)."},
+    )
+
+    # --- groups and batching ---
+    num_generations: int = field(
+        default=24, metadata={"help": "Group size G: images per prompt per step (DiffusionNFT/MARBLE: 24)."}
+    )
+    prompts_per_step: int | None = field(
+        default=None,
+        metadata={
+            "help": "Prompts (groups) per optimizer step (reference: 48). If set, gradient_accumulation_steps is "
+            "derived: prompts_per_step * num_generations / (per_device_train_batch_size * num_processes)."
+        },
+    )
+
+    # --- rollouts ---
+    sample_scheduler: str = field(
+        default="dpm2",
+        metadata={
+            "help": "Rollout ODE solver: 'euler' (FlowMatchEulerDiscreteScheduler), 'heun' (FlowMatchHeunDiscrete"
+            "Scheduler), 'dpm2' (2nd-order DPMSolverMultistepScheduler with flow sigmas; the reference), "
+            "'pipeline' (the pipeline's own scheduler), or any diffusers scheduler class name."
+        },
+    )
+    num_sample_steps: int = field(
+        default=10, metadata={"help": "Rollout solver steps (reference: 10; 25 for multi-reward)."}
+    )
+    guidance_scale: float = field(
+        default=1.0, metadata={"help": "Classifier-free guidance during rollouts (DiffusionNFT is CFG-free: 1.0)."}
+    )
+    resolution: int = field(default=512, metadata={"help": "Image height and width in pixels (reference: 512)."})
+    max_sequence_length: int = field(
+        default=256, metadata={"help": "T5 prompt tokens (SD3 default 256; zero-padded when the pipeline has no T5)."}
+    )
+    negative_prompt: str = field(default="", metadata={"help": "Negative prompt, used only when guidance_scale > 1."})
+
+    # --- the NFT objective ---
+    nft_beta: float = field(
+        default=1.0,
+        metadata={"help": "NFT guidance strength beta of the implicit policies (reference 1.0; 0.1 for OCR/multi-reward)."},
+    )
+    beta: float = field(
+        default=1e-4, metadata={"help": "KL weight to the reference (LoRA-disabled) model (reference: 1e-4)."}
+    )
+    adv_clip_max: float = field(default=5.0, metadata={"help": "Advantage clip A_max in r = 0.5 + A / (2 A_max)."})
+    timestep_fraction: float = field(
+        default=0.99,
+        metadata={
+            "help": "Fraction of the sampler's sigma grid trained per sample (each sample draws its own random "
+            "permutation; reference 0.99 = all but one of 10 steps). At least one timestep is always used."
+        },
+    )
+    old_policy_decay: str = field(
+        default="linear",
+        metadata={
+            "help": "Old-policy EMA schedule: 'linear' (eta=min(0.001 i, 0.5), reference default), 'on_policy' "
+            "(eta=0), 'delayed' (0 for 75 steps then 0.0075/step up to 0.999, the reference's OCR schedule)."
+        },
+    )
+
+    # --- rewards ---
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "Weights of the rewards for the weighted-sum baselines (default: all 1)."}
+    )
+    reward_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Per-reward options keyed by reward name (model path, device, dtype, batch size), as a dict."},
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "help": "Advantage normalisation: 'group' (per-prompt std, MARBLE Eq. 3), 'batch' (global std, the "
+            "DiffusionNFT code), 'none'."
+        },
+    )
+    multi_objective_aggregation: str = field(
+        default="auto",
+        metadata={
+            "help": "How several rewards combine: 'marble' (per-reward gradients + min-norm QP), "
+            "'sum_then_normalize' (DiffusionNFT's weighted sum), 'normalize_then_sum' (GDPO), 'auto' (marble "
+            "when the balancer is available and there are several rewards, else sum_then_normalize)."
+        },
+    )
+
+    # --- MARBLE balancer ---
+    marble_rho: float = field(default=0.7, metadata={"help": "EMA factor rho of the coefficients (MARBLE: 0.7)."})
+    marble_refresh_interval: int = field(
+        default=10, metadata={"help": "Refresh the coefficients every N optimizer steps (MARBLE: 10; 1 = every step)."}
+    )
+    marble_gradient_engine: str = field(
+        default="auto",
+        metadata={"help": "Per-reward gradients: 'two_stream' (cost independent of K), 'reference' (K backwards), 'auto'."},
+    )
+    marble_refresh_update: str = field(
+        default="gradient",
+        metadata={
+            "help": "Update at refresh steps: 'gradient' (Eq. 7 with alpha*, the paper) or 'advantage' (one backward "
+            "with A_bar from the smoothed coefficients; for back-ends that cannot take a hand-written gradient)."
+        },
+    )
+    marble_uniform_final_steps: int = field(
+        default=0, metadata={"help": "Train the last this many steps with uniform coefficients (0 = off)."}
+    )
+    log_update_cosines: bool = field(
+        default=False,
+        metadata={"help": "Also log cos(update, g_k) for the weighted-sum baselines (costs a per-reward gradient pass)."},
+    )
+
+    # --- parameter EMA ---
+    param_ema: bool = field(
+        default=False, metadata={"help": "Keep an EMA of the LoRA weights for evaluation and export (off by default)."}
+    )
+    param_ema_max_decay: float = field(
+        default=0.9, metadata={"help": "Cap of the parameter-EMA decay min((1+s)/(10+s), cap) (reference: 0.9)."}
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16
+        if isinstance(self.reward_kwargs, str):
+            try:
+                self.reward_kwargs = json.loads(self.reward_kwargs)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"reward_kwargs must be a dict or a JSON object string: {err}.") from err
+        self._check_fields()
+        super().__post_init__()
+        self._check_batching()
+
+    def _check_fields(self) -> None:
+        def need(cond: bool, message: str) -> None:
+            if not cond:
+                raise ValueError(message)
+
+        need(self.num_generations >= 2, f"num_generations must be >= 2 (a group needs a baseline), got {self.num_generations}.")
+        need(self.lora_r >= 1, f"lora_r must be >= 1, got {self.lora_r}.")
+        need(len(self.lora_target_modules) > 0, "lora_target_modules is empty: name at least one module to adapt.")
+        need(self.num_sample_steps >= 1, f"num_sample_steps must be >= 1, got {self.num_sample_steps}.")
+        need(self.guidance_scale >= 1.0, f"guidance_scale must be >= 1.0 (1.0 = CFG-free), got {self.guidance_scale}.")
+        need(self.resolution >= 8, f"resolution must be a positive number of pixels >= 8, got {self.resolution}.")
+        need(self.nft_beta > 0, f"nft_beta must be > 0 (the reference uses 1.0, or 0.1 for OCR), got {self.nft_beta}.")
+        need(self.beta >= 0, f"beta (KL weight) must be >= 0, got {self.beta}.")
+        need(self.adv_clip_max > 0, f"adv_clip_max must be > 0 (reference 5), got {self.adv_clip_max}.")
+        need(
+            0 < self.timestep_fraction <= 1,
+            f"timestep_fraction must be in (0, 1] (reference 0.99), got {self.timestep_fraction}.",
+        )
+        need(
+            self.old_policy_decay in DECAY_TYPES,
+            f"old_policy_decay must be one of {DECAY_TYPES}, got {self.old_policy_decay!r}.",
+        )
+        need(self.scale_rewards in SCALE_REWARDS, f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}.")
+        need(
+            self.multi_objective_aggregation in AGGREGATIONS,
+            f"multi_objective_aggregation must be one of {AGGREGATIONS}, got {self.multi_objective_aggregation!r}.",
+        )
+        if self.reward_weights is not None:
+            need(
+                all(math.isfinite(w) for w in self.reward_weights),
+                f"reward_weights must be finite numbers, got {self.reward_weights}.",
+            )
+        need(
+            self.reward_kwargs is None or isinstance(self.reward_kwargs, dict),
+            "reward_kwargs must map reward names to option dicts.",
+        )
+        need(0 <= self.marble_rho < 1, f"marble_rho must be in [0, 1) (MARBLE: 0.7), got {self.marble_rho}.")
+        need(self.marble_refresh_interval >= 1, f"marble_refresh_interval must be >= 1, got {self.marble_refresh_interval}.")
+        need(
+            self.marble_gradient_engine in ("auto", "two_stream", "reference"),
+            f"marble_gradient_engine must be 'auto', 'two_stream' or 'reference', got {self.marble_gradient_engine!r}.",
+        )
+        need(
+            self.marble_refresh_update in ("gradient", "advantage"),
+            f"marble_refresh_update must be 'gradient' or 'advantage', got {self.marble_refresh_update!r}.",
+        )
+        need(self.marble_uniform_final_steps >= 0, "marble_uniform_final_steps must be >= 0.")
+        need(0 <= self.param_ema_max_decay < 1, f"param_ema_max_decay must be in [0, 1), got {self.param_ema_max_decay}.")
+        if self.prompts_per_step is not None:
+            need(self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}.")
+
+    def _check_batching(self) -> None:
+        world = self.world_size
+        per_device = self.per_device_train_batch_size
+        if self.prompts_per_step is not None:
+            images = self.prompts_per_step * self.num_generations
+            if images % (per_device * world):
+                raise ValueError(
+                    f"prompts_per_step * num_generations = {images} images per step cannot be split into micro-batches "
+                    f"of per_device_train_batch_size={per_device} on {world} process(es); choose values where "
+                    f"{per_device} * {world} divides {images}."
+                )
+            self.gradient_accumulation_steps = images // (per_device * world)
+        images = per_device * self.gradient_accumulation_steps * world
+        if images % self.num_generations:
+            raise ValueError(
+                f"One optimizer step holds per_device_train_batch_size * gradient_accumulation_steps * num_processes "
+                f"= {per_device} * {self.gradient_accumulation_steps} * {world} = {images} images, which is not a "
+                f"multiple of num_generations={self.num_generations}: groups would be cut. Adjust the batch size, "
+                f"gradient_accumulation_steps, or set prompts_per_step."
+            )
+
+    @property
+    def images_per_step(self) -> int:
+        """Images generated per optimizer step over all processes."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    @property
+    def prompts_per_optimizer_step(self) -> int:
+        """Prompts (groups) per optimizer step over all processes."""
+        return self.images_per_step // self.num_generations

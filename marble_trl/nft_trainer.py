@@ -1,0 +1,458 @@
+"""``MarbleDiffusionNFTTrainer``: DiffusionNFT online RL for SD3 / SD3.5 with LoRA, on TRL's trainer base.
+
+DiffusionNFT: "Online Diffusion Reinforcement with Forward Process", Zheng et al., arXiv 2509.16117 (ICLR 2026).
+MARBLE: "Multi-Aspect Reward Balance for Diffusion RL", arXiv 2605.06507 (2026).
+
+It is a :class:`transformers.Trainer` (through TRL's base), so logging, ``report_to``, callbacks, progress bars and
+``save_steps`` behave as usual. One optimizer step is:
+
+1. rollouts of ``G`` images per prompt with the old-policy adapter (CFG-free by default), prompt embeddings computed
+   once per distinct prompt;
+2. rewards, gathered over processes, and group advantages (:mod:`marble_trl.advantages`);
+3. the NFT loss on the forward process for every (micro-batch, training timestep), accumulated into one step;
+4. the optimizer step, then the old-policy soft update.
+
+The ``transformers.Trainer`` hooks overridden, and why:
+
+- ``get_batch_samples``: it receives the micro-batches of one optimizer step at once; the rollouts and rewards of the
+  whole step run there (step 1-2), and it returns the micro-batches of rollout data;
+- ``training_step``: the NFT loss over the sampler's timesteps (step 3);
+- ``_get_train_sampler``: whole groups, whole steps (:class:`~marble_trl.data.GroupSampler`);
+- ``log``: adds the averaged rollout/reward/NFT metrics;
+- ``_save``: writes the LoRA in diffusers format instead of the whole transformer;
+- ``_send_telemetry``: TRL's reads ``model.config.model_type``, which diffusers models lack.
+
+Deviations from the reference code: the training timesteps are the Euler sigma grid of the pipeline's shift with
+``num_sample_steps`` points for every rollout solver (the reference uses its sampler's own grid; identical for
+Euler); advantages use population stds as the reference does (TRL's GRPO uses unbiased ones).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from accelerate.utils import gather, gather_object
+from transformers import TrainerCallback
+
+from ._trl import BaseTrainer
+from .advantages import collate_advantages, group_std_is_zero
+from .data import GroupSampler, check_prompt_dataset
+from .lora import (
+    TRAIN_ADAPTER,
+    LoraEMA,
+    add_policy_adapters,
+    lora_parameters,
+    soft_update_old_policy,
+    use_old_policy,
+    use_reference,
+)
+from .models import load_sd3_pipeline
+from .nft import add_noise, advantage_to_r, nft_loss, nft_loss_terms, old_policy_decay, param_ema_decay
+from .nft_config import MarbleDiffusionNFTConfig
+from .rewards import RewardFunc, resolve_reward_funcs, reward_name, score_rewards
+from .rollout import PromptEmbeddings, decode_latents, encode_prompts, make_scheduler, sample_latents, training_sigmas
+
+
+def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return features
+
+
+class _AfterOptimizerStep(TrainerCallback):
+    """Runs the old-policy soft update (and the parameter EMA) right after each optimizer step."""
+
+    def __init__(self, trainer: MarbleDiffusionNFTTrainer) -> None:
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._after_optimizer_step()
+
+
+class MarbleDiffusionNFTTrainer(BaseTrainer):
+    """DiffusionNFT (and, with several rewards, MARBLE) for Stable Diffusion 3 / 3.5 pipelines with LoRA.
+
+    Args:
+        model: a ``StableDiffusion3Pipeline``, a local diffusers folder, a Hub id, or ``"tiny"`` (offline tiny model).
+        reward_funcs: one reward or a list: callables ``(prompts, images, **columns) -> list[float | None]``,
+            registered names, or dotted import paths (see ``docs/rewards.md``).
+        args: a :class:`MarbleDiffusionNFTConfig`.
+        train_dataset: a ``datasets.Dataset`` with a ``prompt`` column; other columns reach the reward functions.
+        peft_config: a ``peft.LoraConfig``; by default one is built from the ``lora_*`` fields of ``args``.
+    """
+
+    _tag_names = ["trl", "marble", "diffusion-nft", "diffusers", "lora", "text-to-image"]
+    _name = "MARBLE DiffusionNFT"
+    _paper = {
+        "title": "Online Diffusion Reinforcement with Forward Process",
+        "id": "2509.16117",
+        "citation": (
+            "@inproceedings{zheng2026diffusionnft,\n  title={{DiffusionNFT: Online Diffusion Reinforcement with "
+            "Forward Process}},\n  author={Zheng, Kaiwen and others},\n  booktitle={ICLR},\n  year={2026}\n}"
+        ),
+    }
+
+    def __init__(
+        self,
+        model: Any,
+        reward_funcs: RewardFunc | str | Sequence[RewardFunc | str],
+        args: MarbleDiffusionNFTConfig | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        peft_config: Any = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[Any, Any] = (None, None),
+    ) -> None:
+        if args is None:
+            args = MarbleDiffusionNFTConfig(output_dir="marble-diffusion-nft")
+        if not isinstance(args, MarbleDiffusionNFTConfig):
+            raise TypeError(f"args must be a MarbleDiffusionNFTConfig, got {type(args).__name__}.")
+        check_prompt_dataset(train_dataset)
+
+        self.pipeline = model if hasattr(model, "transformer") else load_sd3_pipeline(model)
+        self.pipeline.set_progress_bar_config(disable=True)
+        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+            component = getattr(self.pipeline, name, None)
+            if component is not None:
+                component.requires_grad_(False).eval()
+        self._check_resolution(args)
+        transformer = self.pipeline.transformer
+
+        if peft_config is None:
+            from peft import LoraConfig
+
+            init = {"true": True, "false": False}.get(str(args.lora_init).lower(), args.lora_init)
+            peft_config = LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=args.lora_dropout,
+                init_lora_weights=init,
+                target_modules=list(args.lora_target_modules),
+            )
+        self.peft_config = peft_config
+        add_policy_adapters(transformer, peft_config)
+        # diffusers models have `enable_gradient_checkpointing`; Trainer calls `activation_checkpointing_enable`.
+        transformer.activation_checkpointing_enable = lambda **_: transformer.enable_gradient_checkpointing()
+
+        self.reward_funcs = resolve_reward_funcs(reward_funcs, args.reward_kwargs)
+        self.reward_names = [reward_name(f) for f in self.reward_funcs]
+        if len(set(self.reward_names)) != len(self.reward_names):
+            raise ValueError(
+                f"Reward names must be unique (they name the logged metrics), got {self.reward_names}; give each "
+                "callable a distinct __name__."
+            )
+        if args.reward_weights is not None and len(args.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(args.reward_weights)} entries for {len(self.reward_funcs)} rewards "
+                f"({self.reward_names})."
+            )
+        weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(self.reward_funcs)
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        self.aggregation = self._resolve_aggregation(args.multi_objective_aggregation, len(self.reward_funcs))
+
+        self._metrics: dict[str, list[float]] = defaultdict(list)
+        self._step_timer: dict[str, float] = defaultdict(float)
+        super().__init__(
+            model=transformer,
+            args=args,
+            data_collator=_identity_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        device = self.accelerator.device
+        for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+            component = getattr(self.pipeline, name, None)
+            if component is not None:
+                component.to(device)
+        self.rollout_scheduler = make_scheduler(args.sample_scheduler, self.pipeline.scheduler)
+        self.train_sigmas = training_sigmas(self.pipeline.scheduler, args.num_sample_steps)
+        self.param_ema = LoraEMA(transformer) if args.param_ema else None
+        self.add_callback(_AfterOptimizerStep(self))
+
+    # ------------------------------------------------------------------ setup helpers
+    def _check_resolution(self, args: MarbleDiffusionNFTConfig) -> None:
+        factor = getattr(self.pipeline, "vae_scale_factor", 8) * self.pipeline.transformer.config.patch_size
+        if args.resolution % factor:
+            raise ValueError(
+                f"resolution={args.resolution} must be a multiple of {factor} (VAE factor x patch size) for this "
+                "pipeline."
+            )
+
+    def _resolve_aggregation(self, requested: str, num_rewards: int) -> str:
+        if requested == "auto":
+            return "sum_then_normalize"
+        if requested == "marble":
+            raise NotImplementedError(
+                "multi_objective_aggregation='marble' needs the MARBLE balancer, which is not in this build; use "
+                "'sum_then_normalize' or 'normalize_then_sum'."
+            )
+        return requested
+
+    def _send_telemetry(self) -> None:
+        # TRL's telemetry reads `model.config.model_type`, which diffusers models do not have (it would crash every
+        # run outside CI). This trainer is not one of TRL's, so it sends nothing.
+        return
+
+    def _get_train_sampler(self, train_dataset=None) -> GroupSampler:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        return GroupSampler(
+            num_prompts=len(dataset),
+            num_generations=self.args.num_generations,
+            prompts_per_step=self.args.prompts_per_optimizer_step,
+            seed=self.args.seed,
+        )
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        """The transformer with its adapters, unwrapped from DDP/DeepSpeed."""
+        return self.accelerator.unwrap_model(self.model)
+
+    def _generator(self, *keys: int) -> torch.Generator:
+        """A CPU generator seeded from the run seed, the step, the process and ``keys`` (reproducible, resumable)."""
+        seed = hash((self.args.seed, self.state.global_step, self.accelerator.process_index, *keys)) % (2**63)
+        return torch.Generator().manual_seed(seed)
+
+    # ------------------------------------------------------------------ rollouts and rewards
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """Collect the step's micro-batches of prompts, then generate and score the whole step's rollouts."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        if not batches:
+            return batches, None
+        return self._generate_and_score(batches), None
+
+    def _autocast(self):
+        return self.accelerator.autocast() if self.args.bf16 or self.args.fp16 else contextlib.nullcontext()
+
+    def _generate_and_score(self, batches: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        args = self.args
+        device = self.accelerator.device
+        samples = [s for batch in batches for s in batch]
+        prompts = [s["prompt"] for s in samples]
+        columns = {key: [s.get(key) for s in samples] for key in samples[0] if key != "prompt"}
+        micro = len(batches[0])
+
+        start = time.perf_counter()
+        embeds = encode_prompts(self.pipeline, prompts, args.max_sequence_length, device)
+        negative = None
+        if args.guidance_scale > 1.0:
+            negative = encode_prompts(self.pipeline, [args.negative_prompt] * len(prompts), args.max_sequence_length, device)
+        latents, images = [], []
+        with use_old_policy(self.transformer), self._autocast():
+            for m in range(len(batches)):
+                sl = slice(m * micro, (m + 1) * micro)
+                x0 = sample_latents(
+                    self.pipeline,
+                    self.rollout_scheduler,
+                    embeds.index(sl),
+                    args.num_sample_steps,
+                    args.resolution,
+                    self._generator(0, m),
+                    args.guidance_scale,
+                    negative.index(sl) if negative is not None else None,
+                )
+                latents.append(x0.float())
+                images.append(decode_latents(self.pipeline, x0))
+        x0_all = torch.cat(latents)
+        images_all = torch.cat(images)
+        rollout_time = time.perf_counter() - start
+
+        start = time.perf_counter()
+        rewards_local = score_rewards(self.reward_funcs, prompts, images_all, columns, self.reward_names)
+        reward_time = time.perf_counter() - start
+
+        rewards_global, local_positions = self._gather_rewards(rewards_local, prompts, micro)
+        adv = collate_advantages(
+            rewards_global, args.num_generations, args.scale_rewards, self.reward_weights, self.aggregation
+        )
+        self._log_rewards(rewards_global)
+        self._metrics["time/rollout"].append(rollout_time)
+        self._metrics["time/reward"].append(reward_time)
+
+        combined = adv.combined[local_positions]
+        per_reward = adv.per_reward[:, local_positions]
+        num_train = max(1, int(len(self.train_sigmas) * args.timestep_fraction))
+        perm_gen = self._generator(1)
+        out = []
+        for m in range(len(batches)):
+            sl = slice(m * micro, (m + 1) * micro)
+            perms = torch.stack([torch.randperm(len(self.train_sigmas), generator=perm_gen) for _ in range(micro)])
+            out.append(
+                {
+                    "x0": x0_all[sl],
+                    "prompt_embeds": embeds.prompt_embeds[sl],
+                    "pooled": embeds.pooled[sl],
+                    "advantages": combined[sl].to(device),
+                    "per_reward_advantages": per_reward[:, sl].to(device),
+                    "timestep_index": perms[:, :num_train],
+                    "micro_batch": m,
+                }
+            )
+        return out
+
+    def _gather_rewards(self, rewards_local: torch.Tensor, prompts: list[str], micro: int):
+        """Gather the step's rewards from every process in the global sampler order.
+
+        accelerate hands global batch ``j`` to process ``j % world``, so process ``p``'s ``m``-th micro-batch is
+        global batch ``m * world + p``. Groups of ``G`` consecutive samples in that order share a prompt; this is
+        checked, since a group split wrongly would silently corrupt the advantages.
+        """
+        world = self.accelerator.num_processes
+        rank = self.accelerator.process_index
+        n_local = rewards_local.shape[1]
+        local_idx = torch.arange(n_local)
+        positions = ((local_idx // micro) * world + rank) * micro + local_idx % micro
+        if world == 1:
+            all_rewards, all_prompts, all_positions = rewards_local, prompts, positions
+        else:
+            gathered = gather(rewards_local.T.contiguous().to(self.accelerator.device)).cpu()
+            all_rewards = gathered.T
+            all_prompts = gather_object(prompts)
+            ranks = torch.arange(world).repeat_interleave(n_local)
+            idx = local_idx.repeat(world)
+            all_positions = ((idx // micro) * world + ranks) * micro + idx % micro
+        ordered = torch.empty_like(all_rewards)
+        ordered[:, all_positions] = all_rewards
+        ordered_prompts = [""] * len(all_prompts)
+        for pos, prompt in zip(all_positions.tolist(), all_prompts):
+            ordered_prompts[pos] = prompt
+        g = self.args.num_generations
+        for start in range(0, len(ordered_prompts), g):
+            group = ordered_prompts[start : start + g]
+            if any(p != group[0] for p in group):
+                raise RuntimeError(
+                    f"A group of {g} samples mixes prompts ({sorted(set(group))[:3]}...): the data sharding does not "
+                    "keep groups together. Use the trainer's own dataloader (GroupSampler)."
+                )
+        return ordered, positions
+
+    def _log_rewards(self, rewards: torch.Tensor) -> None:
+        g = self.args.num_generations
+        for k, name in enumerate(self.reward_names):
+            values = rewards[k]
+            ok = ~torch.isnan(values)
+            applicable = values[ok]
+            if applicable.numel():
+                self._metrics[f"rewards/{name}/mean"].append(applicable.mean().item())
+                self._metrics[f"rewards/{name}/std"].append(applicable.std(unbiased=False).item())
+            self._metrics[f"rewards/{name}/frac_not_applicable"].append(1.0 - ok.float().mean().item())
+            self._metrics[f"rewards/{name}/frac_zero_std"].append(group_std_is_zero(values, g).float().mean().item())
+        weighted = (rewards * self.reward_weights[:, None]).nansum(dim=0)
+        weighted[torch.isnan(rewards).all(dim=0)] = float("nan")
+        grouped = weighted.view(-1, g)
+        self._metrics["reward"].append(torch.nanmean(weighted).item())
+        group_std = torch.stack([row[~torch.isnan(row)].std(unbiased=False) if (~torch.isnan(row)).sum() > 1
+                                 else torch.tensor(0.0) for row in grouped])
+        self._metrics["reward_std"].append(group_std.mean().item())
+        self._metrics["frac_reward_zero_std"].append(group_std_is_zero(weighted, g).float().mean().item())
+
+    # ------------------------------------------------------------------ the NFT loss
+    def _velocity(self, module: torch.nn.Module, x_t, timestep, inputs) -> torch.Tensor:
+        return module(
+            hidden_states=x_t,
+            timestep=timestep,
+            encoder_hidden_states=inputs["prompt_embeds"],
+            pooled_projections=inputs["pooled"],
+            return_dict=False,
+        )[0]
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        """The NFT loss of one micro-batch, summed over its training timesteps (each a forward/backward)."""
+        args = self.args
+        start = time.perf_counter()
+        model.train()
+        transformer = self.transformer
+        device = self.accelerator.device
+        x0 = inputs["x0"].to(device)
+        r = advantage_to_r(inputs["advantages"].to(device), args.adv_clip_max)
+        timestep_index = inputs["timestep_index"]
+        num_train = timestep_index.shape[1]
+        scale = 1.0 / (num_train * self.current_gradient_accumulation_steps)
+        noise_gen = self._generator(2, inputs["micro_batch"])
+        total = torch.zeros((), device=device)
+        sums: dict[str, float] = defaultdict(float)
+        for j in range(num_train):
+            t = self.train_sigmas[timestep_index[:, j]].to(device)
+            noise = torch.randn(x0.shape, generator=noise_gen).to(device=device, dtype=x0.dtype)
+            x_t = add_noise(x0, noise, t)
+            timestep = t * 1000.0
+            with torch.no_grad(), self._autocast():
+                with use_old_policy(transformer):
+                    v_old = self._velocity(transformer, x_t, timestep, inputs).float()
+                v_ref = None
+                if args.beta > 0:
+                    with use_reference(transformer):
+                        v_ref = self._velocity(transformer, x_t, timestep, inputs).float()
+            last = j == num_train - 1
+            sync = contextlib.nullcontext() if last else self.accelerator.no_sync(model)
+            with sync:
+                with self._autocast():
+                    v_theta = self._velocity(model, x_t, timestep, inputs).float()
+                terms = nft_loss_terms(v_theta, v_old, x_t, x0, t, args.nft_beta, v_ref)
+                loss = nft_loss(terms, r, args.nft_beta, args.adv_clip_max, args.beta)
+                self.accelerator.backward(loss * scale)
+            total += loss.detach()
+            sums["nft/loss_pos"] += terms.loss_pos.mean().item()
+            sums["nft/loss_neg"] += terms.loss_neg.mean().item()
+            sums["kl"] += terms.kl.mean().item()
+            sums["nft/policy_deviation"] += ((v_theta.detach() - v_old) ** 2).mean().item()
+        for key, value in sums.items():
+            self._metrics[key].append(value / num_train)
+        self._metrics["nft/r_mean"].append(r.mean().item())
+        self._metrics["nft/r_clamped_frac"].append(((r <= 0) | (r >= 1)).float().mean().item())
+        self._step_timer["train"] += time.perf_counter() - start
+        return total * scale
+
+    def _after_optimizer_step(self) -> None:
+        step = self.state.global_step  # optimizer steps completed before this one
+        soft_update_old_policy(self.transformer, old_policy_decay(step, self.args.old_policy_decay))
+        if self.param_ema is not None:
+            self.param_ema.update(self.transformer, param_ema_decay(step, self.args.param_ema_max_decay))
+        self._metrics["old_policy/decay"].append(old_policy_decay(step, self.args.old_policy_decay))
+        self._metrics["time/train"].append(self._step_timer.pop("train", 0.0))
+
+    # ------------------------------------------------------------------ logging and saving
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training or "loss" in logs:
+            for key, values in self._metrics.items():
+                finite = [v for v in values if not math.isnan(v)]
+                logs[key] = sum(finite) / len(finite) if finite else float("nan")
+            self._metrics.clear()
+        super().log(logs, start_time)
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """Save the trained LoRA in diffusers format (``pytorch_lora_weights.safetensors`` with adapter metadata),
+        loadable with ``StableDiffusion3Pipeline.load_lora_weights``."""
+        from peft.utils import get_peft_model_state_dict
+
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        layers = get_peft_model_state_dict(self.transformer, adapter_name=TRAIN_ADAPTER)
+        type(self.pipeline).save_lora_weights(
+            output_dir,
+            transformer_lora_layers=layers,
+            transformer_lora_adapter_metadata=self.peft_config.to_dict(),
+        )
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None) -> None:
+        # TRL's card is a language-model card; the diffusers LoRA card is written by marble_trl.export.
+        return
+
+    def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The trainable LoRA parameters by name."""
+        return lora_parameters(self.transformer, TRAIN_ADAPTER)
+
+
+RewardSpec = RewardFunc | str | Callable[..., Any]
