@@ -1,0 +1,374 @@
+"""MARBLE's gradient balancer: normalise, min-norm QP, rescale, EMA, refresh schedule.
+
+MARBLE, "Multi-Aspect Reward Balance for Diffusion RL" (arXiv 2605.06507); equation numbers refer to that paper.
+At a *refresh* step the caller hands over the K per-reward gradients ``g_k`` (Eq. 4, already all-reduced, KL excluded)
+and ``MarbleBalancer.combine`` returns the update of Eq. 7; ``advantage_weights`` gives the alpha_bar used on the
+N-1 amortised steps in between (Prop. 1: ``A_bar = sum_k alpha_bar_k A_k``, one ordinary backward).
+
+1. Eq. 5  ``gh_k = g_k / ||g_k||``, done in Gram space: ``Mh_ij = M_ij / (||g_i|| ||g_j||)`` with ``M = G G^T``.
+2. Eq. 6  ``alpha* = argmin_{alpha in simplex} alpha^T Mh alpha`` (cvxopt, ``qp.solve_min_norm``).
+3. Eq. 7  ``d_final = (sum_k alpha*_k gh_k) * mean_k ||g_k||``, formed as one ``[K] x [K, P]`` product.
+4. Eq. 12 ``alpha_bar <- rho alpha_bar + (1 - rho) alpha*`` after each successful refresh.
+
+Choices and deviations (all documented where they happen):
+- ``alpha_bar_0`` is uniform (the paper does not say).
+- A reward with a zero gradient (0/0 in Eq. 5) is excluded from the QP and gets ``alpha*_k = 0``; the mean in Eq. 7
+  runs over the rewards *with* signal, so a silent reward does not shrink the step. With no signal at all the
+  update is zero and the coefficients are not refreshed.
+- The refresh step's update uses ``alpha*`` (the paper's full procedure), not ``alpha_bar``; ``rho`` only affects the
+  amortised steps that follow.
+- If the QP fails (``ok=False``) the previous coefficients are kept: Eq. 7 is formed with ``alpha_bar`` (renormalised
+  over the rewards with signal), ``alpha_bar`` is not updated, and ``num_qp_fallbacks`` counts it. Non-finite
+  gradients are not a QP failure: ``combine`` raises ``ValueError`` before touching any state and the caller decides
+  (e.g. skip the step).
+- The Gram is ONE matmul in the buffers' own dtype (float32 accumulation for float32 buffers, no [K, P] float64 copy);
+  only the K x K result is cast to float64. Its entries carry ~1e-7 relative rounding (more for P ~ 2e7), so
+  normalised Gram entries (cosines) are accurate to ~1e-6, the size of the QP ridge; pass float64 buffers when that
+  matters. float16/bfloat16 buffers are upcast to float32 once (fp16 sums of squares overflow). TF32 is switched
+  off around the Gram matmul (and restored): it would make the cosines accurate only to ~1e-3.
+- Pareto-stationary gradients (``||sum_k alpha*_k gh_k|| <= 1e-6``, e.g. ``g`` and ``-g``): ``d_final`` is exactly 0
+  rather than rounding noise pointing anywhere (the paper's formula gives a vector ~1e-10 of the gradients); the
+  cosines are then 0 and no conflict is reported. ``info["direction_norm"]`` logs ``||sum_k alpha_k gh_k||``.
+  With float32 Grams the QP resolves this norm only to ~1e-3, so near-stationary cosines are noisy anyway.
+- Optional final stage (``uniform_final_steps`` out of ``max_steps``): no refreshes, uniform advantage weights.
+- Clamp violations (``|A_k| >= A_max`` breaks Prop. 1's identity) are only counted (the paper's
+  ``pareto_fallback_used``); acting on them is the trainer's business.
+- Everything is a deterministic function of the Gram: ranks holding bitwise-identical all-reduced buffers get the
+  same alpha. If that is not guaranteed, solve on rank 0 and broadcast (``state_dict``/``refresh`` make it easy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .qp import QPResult, as_float64_matrix, solve_min_norm, solve_normalized_min_norm
+
+__all__ = ["MarbleBalancer", "cosine_stats", "gram_cosines", "update_cosines"]
+
+# ||sum_k alpha_k gh_k|| at or below this: the rewards are Pareto-stationary to numerical precision (their unit
+# gradients cancel); d_final is then exactly 0 instead of rounding noise, whose cosines would be arbitrary.
+PARETO_STATIONARY_TOL = 1e-6
+
+_STATE_KEYS = (
+    "reward_names",
+    "alpha_bar",
+    "last_alpha_star",
+    "num_refreshes",
+    "num_qp_fallbacks",
+    "num_clamp_violations",
+)
+
+
+@contextlib.contextmanager
+def _ieee_fp32_matmul() -> Iterator[None]:
+    """Full-precision float32 matmuls inside (restored after): with TF32 on (``tf32=True``, or
+    ``set_float32_matmul_precision("high")``) a float32 Gram would carry ~1e-3 relative error, as large as the
+    cosines it is meant to resolve."""
+    prev = torch.get_float32_matmul_precision()
+    if prev == "highest":
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def _work_tensor(grads: torch.Tensor) -> torch.Tensor:
+    """The buffers in a dtype safe for sums of squares: float32/float64 as is, half types upcast to float32."""
+    if not grads.is_floating_point():
+        raise TypeError(f"grads must be a floating tensor, got {grads.dtype}")
+    return grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
+
+
+@torch.no_grad()
+def update_cosines(update: torch.Tensor, grads: torch.Tensor, grad_norms: torch.Tensor | None = None) -> torch.Tensor:
+    """``cos(update, g_k)`` for each row of ``grads`` [K, P]; 0 where either vector is zero. float64 [K].
+
+    Use it for any update direction (MARBLE's ``d_final``, a weighted-sum baseline's ``mean_k g_k``) so the harmony
+    statistics of Table S1 are computed the same way. ``grad_norms`` (``||g_k||``) may be passed to skip a pass.
+    """
+    work = _work_tensor(grads)
+    if work.ndim != 2:
+        raise ValueError(f"grads must be [K, P], got shape {tuple(grads.shape)}")
+    u = update.reshape(-1).to(work.dtype)
+    if u.shape[0] != work.shape[1]:
+        raise ValueError(f"update has {u.shape[0]} elements, grads rows have {work.shape[1]}")
+    with _ieee_fp32_matmul():
+        dots = torch.mv(work, u).double()
+    gn = torch.linalg.vector_norm(work, dim=1) if grad_norms is None else grad_norms.to(work.device)
+    denom = torch.linalg.vector_norm(u).double() * gn.double()
+    ok = denom > 0
+    return torch.where(ok, dots / torch.where(ok, denom, torch.ones_like(denom)), 0.0).clamp(-1.0, 1.0)
+
+
+def gram_cosines(gram: Any, coeffs: Any) -> np.ndarray:
+    """``cos(d, g_k)`` for ``d = sum_j coeffs_j g_j``, from the Gram alone (no pass over the parameters).
+
+    Zero-safe: 0 for a zero ``g_k`` and for ``||d||`` below 1e-6 of ``sum_j |coeffs_j| ||g_j||`` (a cancelled
+    direction, where the Gram's rounding would otherwise produce arbitrary cosines).
+    """
+    m = as_float64_matrix(gram)
+    c = np.asarray(coeffs, dtype=np.float64)
+    mc = m @ c
+    dd = float(c @ mc)
+    n = np.sqrt(np.clip(np.diag(m), 0.0, None))
+    size = float(np.abs(c) @ n)  # >= ||d|| by the triangle inequality
+    if not dd > (1e-6 * size) ** 2:
+        return np.zeros_like(c)
+    out = np.zeros_like(c)
+    nz = n > 0
+    out[nz] = mc[nz] / (math.sqrt(dd) * n[nz])
+    return np.clip(out, -1.0, 1.0)
+
+
+def cosine_stats(cosines: Any, active: Any = None) -> dict[str, float | bool]:
+    """Table S1 harmony statistics over the rewards in ``active`` (default all): worst, mean, population variance,
+    and ``conflict = worst < 0``. With no reward selected everything is 0 / False."""
+    c = np.asarray(cosines.detach().cpu() if hasattr(cosines, "detach") else cosines, dtype=np.float64).reshape(-1)
+    if active is not None:
+        c = c[np.asarray(active, dtype=bool)]
+    if c.size == 0:
+        return {"worst_cosine": 0.0, "mean_cosine": 0.0, "cosine_var": 0.0, "conflict": False}
+    worst = float(c.min())
+    return {"worst_cosine": worst, "mean_cosine": float(c.mean()), "cosine_var": float(c.var()), "conflict": worst < 0}
+
+
+class MarbleBalancer:
+    """Stateful half of MARBLE: EMA coefficients (Eq. 12), refresh schedule, counters.
+
+    Args:
+        num_rewards: K. Give this or ``reward_names`` (or both, consistent).
+        reward_names: names used in ``state_dict`` (checked on load) and for the caller's logging.
+        rho: EMA factor of Eq. 12 (paper: 0.7). ``rho=0``: alpha_bar = the last alpha*; ``rho=1``: fixed uniform.
+        refresh_interval: N; refresh at steps 0, N, 2N, ... (N=1: solve every step).
+        uniform_final_steps: length of the optional final stage with uniform weights (needs ``max_steps``, which may
+            also be assigned later, once the trainer knows it).
+        max_steps: total number of optimizer steps.
+        solver: ``Mh (float64 [K', K']) -> QPResult``; default ``qp.solve_min_norm``.
+    """
+
+    def __init__(
+        self,
+        num_rewards: int | None = None,
+        *,
+        reward_names: Sequence[str] | None = None,
+        rho: float = 0.7,
+        refresh_interval: int = 10,
+        uniform_final_steps: int = 0,
+        max_steps: int | None = None,
+        solver: Callable[[np.ndarray], QPResult] = solve_min_norm,
+    ) -> None:
+        if reward_names is None:
+            if num_rewards is None:
+                raise ValueError("give num_rewards or reward_names")
+            reward_names = [f"reward_{k}" for k in range(num_rewards)]
+        reward_names = [str(n) for n in reward_names]
+        if num_rewards is not None and num_rewards != len(reward_names):
+            raise ValueError(f"num_rewards={num_rewards} but {len(reward_names)} reward_names")
+        if len(reward_names) < 1 or len(set(reward_names)) != len(reward_names):
+            raise ValueError(f"need at least one reward and unique names, got {reward_names}")
+        if not 0.0 <= rho <= 1.0:
+            raise ValueError(f"rho must be in [0, 1], got {rho}")
+        if refresh_interval < 1:
+            raise ValueError(f"refresh_interval must be >= 1, got {refresh_interval}")
+        if uniform_final_steps < 0:
+            raise ValueError(f"uniform_final_steps must be >= 0, got {uniform_final_steps}")
+        if max_steps is not None and uniform_final_steps > max_steps:
+            raise ValueError(f"uniform_final_steps={uniform_final_steps} exceeds max_steps={max_steps}")
+        self.reward_names: list[str] = reward_names
+        self.rho = float(rho)
+        self.refresh_interval = int(refresh_interval)
+        self.uniform_final_steps = int(uniform_final_steps)
+        self.max_steps = max_steps
+        self.solver = solver
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    @property
+    def num_rewards(self) -> int:
+        return len(self.reward_names)
+
+    @property
+    def alpha_bar(self) -> np.ndarray:
+        """Current EMA coefficients (a copy, float64 [K], on the simplex)."""
+        return self._alpha_bar.copy()
+
+    @property
+    def last_alpha_star(self) -> np.ndarray | None:
+        """alpha* of the last successful refresh, or None."""
+        return None if self._last_alpha_star is None else self._last_alpha_star.copy()
+
+    @property
+    def num_refreshes(self) -> int:
+        return self._num_refreshes
+
+    @property
+    def num_qp_fallbacks(self) -> int:
+        """Refreshes that kept the previous coefficients (QP not ok, or no reward with signal)."""
+        return self._num_qp_fallbacks
+
+    @property
+    def num_clamp_violations(self) -> int:
+        """The paper's ``pareto_fallback_used``: see ``record_clamp_violations``."""
+        return self._num_clamp_violations
+
+    def reset(self) -> None:
+        """Uniform alpha_bar, no alpha*, all counters zero."""
+        k = self.num_rewards
+        self._alpha_bar = np.full(k, 1.0 / k)
+        self._last_alpha_star: np.ndarray | None = None
+        self._num_refreshes = 0
+        self._num_qp_fallbacks = 0
+        self._num_clamp_violations = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python types only (JSON- and ``torch.load(weights_only=True)``-friendly), float64 exact."""
+        return {
+            "reward_names": list(self.reward_names),
+            "alpha_bar": self._alpha_bar.tolist(),
+            "last_alpha_star": None if self._last_alpha_star is None else self._last_alpha_star.tolist(),
+            "num_refreshes": self._num_refreshes,
+            "num_qp_fallbacks": self._num_qp_fallbacks,
+            "num_clamp_violations": self._num_clamp_violations,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = [key for key in _STATE_KEYS if key not in state]
+        if missing:
+            raise KeyError(f"balancer state is missing {missing}")
+        if list(state["reward_names"]) != self.reward_names:
+            raise ValueError(f"state is for rewards {list(state['reward_names'])}, balancer has {self.reward_names}")
+        alpha_bar = self._check_simplex(state["alpha_bar"], "alpha_bar")
+        star = state["last_alpha_star"]
+        self._alpha_bar = alpha_bar
+        self._last_alpha_star = None if star is None else self._check_simplex(star, "last_alpha_star")
+        self._num_refreshes = int(state["num_refreshes"])
+        self._num_qp_fallbacks = int(state["num_qp_fallbacks"])
+        self._num_clamp_violations = int(state["num_clamp_violations"])
+
+    def _check_simplex(self, values: Any, name: str) -> np.ndarray:
+        a = np.asarray(values, dtype=np.float64).reshape(-1)
+        if a.shape != (self.num_rewards,) or not np.isfinite(a).all() or (a < 0).any() or abs(a.sum() - 1) > 1e-6:
+            raise ValueError(f"{name} must be {self.num_rewards} non-negative finite values summing to 1, got {a}")
+        return a / a.sum()
+
+    def record_clamp_violations(self, n: int) -> None:
+        """Count samples where some ``|A_k| >= A_max`` (Prop. 1's identity is then inexact on amortised steps)."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        self._num_clamp_violations += int(n)
+
+    # --------------------------------------------------------------- schedule
+    def in_uniform_stage(self, step: int) -> bool:
+        """Whether 0-based optimizer step ``step`` lies in the final uniform stage."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if self.uniform_final_steps == 0:
+            return False
+        if self.max_steps is None:
+            raise ValueError("uniform_final_steps > 0 needs max_steps (set balancer.max_steps once known)")
+        return step >= self.max_steps - self.uniform_final_steps
+
+    def is_refresh_step(self, step: int) -> bool:
+        """Steps 0, N, 2N, ... outside the uniform final stage run the full procedure (``combine``)."""
+        return not self.in_uniform_stage(step) and step % self.refresh_interval == 0
+
+    def advantage_weights(
+        self, step: int | None = None, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Weights w [K] for ``A_bar = sum_k w_k A_k`` on amortised steps: alpha_bar, or uniform in the final stage."""
+        if step is not None and self.in_uniform_stage(step):
+            w = np.full(self.num_rewards, 1.0 / self.num_rewards)
+        else:
+            w = self._alpha_bar
+        return torch.tensor(w, dtype=dtype, device=device)
+
+    # ---------------------------------------------------------------- refresh
+    def refresh(self, gram: Any, *, min_sq_norm: float = 0.0) -> tuple[np.ndarray, dict[str, Any]]:
+        """One refresh from the raw K x K Gram ``M_ij = g_i . g_j`` (torch or numpy, any float dtype).
+
+        Returns ``(coeffs, info)`` with ``d_final = sum_k coeffs_k g_k`` (Eq. 7) and the logging dict described in
+        ``combine`` (cosines here come from the Gram). Updates alpha_bar (Eq. 12) and the counters. Raises
+        ``ValueError`` on NaN/inf before changing any state. Rewards with ``||g_k||^2 <= min_sq_norm`` count as
+        having no signal. Useful alone for back-ends that only see the Gram (then use ``advantage_weights``).
+        """
+        gram64 = as_float64_matrix(gram)
+        k = self.num_rewards
+        if gram64.shape != (k, k):
+            raise ValueError(f"gram must be [{k}, {k}], got {gram64.shape}")
+        res, gram_hat, norms, active = solve_normalized_min_norm(gram64, self.solver, min_sq_norm)
+
+        self._num_refreshes += 1
+        if res.ok:
+            alpha_star = np.array(res.alpha, dtype=np.float64)
+            alpha_used = alpha_star
+            ema = self.rho * self._alpha_bar + (1.0 - self.rho) * alpha_star
+            self._alpha_bar = ema / ema.sum()  # stays on the simplex; renormalising only removes rounding drift
+            self._last_alpha_star = alpha_star.copy()
+        else:
+            # Keep the previous coefficients. Silent rewards contribute no direction, so renormalise over the rest
+            # to keep Eq. 7's convex-combination-of-unit-vectors convention.
+            self._num_qp_fallbacks += 1
+            alpha_star = np.full(k, np.nan)
+            w = self._alpha_bar * active
+            alpha_used = w / w.sum() if w.sum() > 0 else active / max(active.sum(), 1)
+
+        coeffs = np.zeros(k)
+        a = alpha_used[active]
+        direction_norm = math.sqrt(max(float(a @ gram_hat @ a), 0.0)) if active.any() else 0.0
+        stationary = direction_norm <= PARETO_STATIONARY_TOL
+        if not stationary:
+            scale = norms[active].mean()  # Eq. 7: mean ||g_k|| over rewards with signal
+            coeffs[active] = a * scale / norms[active]
+        cosines = gram_cosines(gram64, coeffs)
+        info: dict[str, Any] = {
+            "alpha_star": alpha_star.tolist(),
+            "alpha_used": np.asarray(alpha_used, dtype=np.float64).tolist(),
+            "alpha_bar": self._alpha_bar.tolist(),
+            "grad_norms": norms.tolist(),
+            "active": active.tolist(),
+            "num_active": int(active.sum()),
+            "direction_norm": direction_norm,
+            "pareto_stationary": stationary,
+            "cosines": cosines.tolist(),
+            **cosine_stats(cosines, active),
+            "qp_status": res.status,
+            "qp_time_s": res.solve_time_s,
+            "used_fallback": not res.ok,
+        }
+        return coeffs, info
+
+    @torch.no_grad()
+    def combine(self, grads: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The full MARBLE procedure on K all-reduced gradient buffers ``grads`` [K, P] (Eqs. 5-7, 12).
+
+        Returns ``(update [P], info)``; ``update`` has the dtype and device of ``grads``. ``info`` holds plain Python
+        values: ``alpha_star`` (NaN on fallback), ``alpha_used`` (coefficients on the unit gradients actually used),
+        ``alpha_bar`` (after the EMA), ``grad_norms``, ``active`` (rewards with signal), ``num_active``, ``direction_norm``
+        (``||sum_k alpha_k gh_k||`` in [0, 1]), ``pareto_stationary`` (update set to 0), ``cosines`` = cos(update, g_k),
+        ``worst_cosine``/``mean_cosine``/``cosine_var``/``conflict`` (over rewards with signal), ``qp_status``,
+        ``qp_time_s``, ``used_fallback``. Call it on refresh steps (``is_refresh_step``); every call is a refresh.
+        """
+        k = self.num_rewards
+        if grads.ndim != 2 or grads.shape[0] != k:
+            raise ValueError(f"grads must be [{k}, P], got shape {tuple(grads.shape)}")
+        work = _work_tensor(grads)
+        with _ieee_fp32_matmul():
+            gram = torch.mm(work, work.T)  # the only O(K^2 P) work; accumulates in the buffers' dtype
+        coeffs, info = self.refresh(gram, min_sq_norm=torch.finfo(work.dtype).tiny)
+        c = torch.as_tensor(coeffs, dtype=work.dtype, device=work.device)
+        update = c @ work
+        # Cosines of the update actually returned (one extra [K, P] x [P] pass), same code as for baselines.
+        norms = torch.as_tensor(info["grad_norms"], dtype=torch.float64, device=work.device)
+        cosines = update_cosines(update, work, grad_norms=norms)
+        info["cosines"] = cosines.tolist()
+        info.update(cosine_stats(info["cosines"], info["active"]))
+        return update.to(grads.dtype), info
