@@ -450,6 +450,38 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         # TRL's card is a language-model card; the diffusers LoRA card is written by marble_trl.export.
         return
 
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[str], seed: int = 0, use_lora: bool = True, num_steps: int | None = None
+    ) -> torch.Tensor:
+        """Images ``[N, 3, H, W]`` in ``[0, 1]`` for ``prompts`` with the trained LoRA (or the base model when
+        ``use_lora=False``), with the rollout solver and a fixed seed (one generator per call, so the same seed gives
+        the same noise with and without the LoRA)."""
+        args = self.args
+        device = self.accelerator.device
+        transformer = self.transformer
+        was_training = transformer.training
+        transformer.eval()
+        embeds = encode_prompts(self.pipeline, prompts, args.max_sequence_length, device)
+        negative = None
+        if args.guidance_scale > 1.0:
+            negative = encode_prompts(self.pipeline, [args.negative_prompt] * len(prompts), args.max_sequence_length, device)
+        context = contextlib.nullcontext() if use_lora else use_reference(transformer)
+        with context, self._autocast():
+            latents = sample_latents(
+                self.pipeline,
+                self.rollout_scheduler,
+                embeds,
+                num_steps or args.num_sample_steps,
+                args.resolution,
+                torch.Generator().manual_seed(seed),
+                args.guidance_scale,
+                negative,
+            )
+            images = decode_latents(self.pipeline, latents)
+        transformer.train(was_training)
+        return images
+
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The trainable LoRA parameters by name."""
         return lora_parameters(self.transformer, TRAIN_ADAPTER)
