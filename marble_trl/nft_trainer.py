@@ -43,6 +43,8 @@ from transformers import TrainerCallback
 
 from ._trl import BaseTrainer
 from .advantages import collate_advantages, group_std_is_zero
+from .balance import MarbleBalancer, cosine_stats, update_cosines
+from .balance.gram import make_gradient_engine, unflatten
 from .data import GroupSampler, check_prompt_dataset
 from .lora import (
     TRAIN_ADAPTER,
@@ -174,6 +176,15 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         self.rollout_scheduler = make_scheduler(args.sample_scheduler, self.pipeline.scheduler)
         self.train_sigmas = training_sigmas(self.pipeline.scheduler, args.num_sample_steps)
         self.param_ema = LoraEMA(transformer) if args.param_ema else None
+        self.balancer = None
+        if self.aggregation == "marble":
+            self.balancer = MarbleBalancer(
+                reward_names=self.reward_names,
+                rho=args.marble_rho,
+                refresh_interval=args.marble_refresh_interval,
+                uniform_final_steps=args.marble_uniform_final_steps,
+            )
+        self._gradient_engine = None
         self.add_callback(_AfterOptimizerStep(self))
 
     # ------------------------------------------------------------------ setup helpers
@@ -185,15 +196,12 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                 "pipeline."
             )
 
-    def _resolve_aggregation(self, requested: str, num_rewards: int) -> str:
-        if requested == "auto":
-            return "sum_then_normalize"
-        if requested == "marble":
-            raise NotImplementedError(
-                "multi_objective_aggregation='marble' needs the MARBLE balancer, which is not in this build; use "
-                "'sum_then_normalize' or 'normalize_then_sum'."
-            )
-        return requested
+    @staticmethod
+    def _resolve_aggregation(requested: str, num_rewards: int) -> str:
+        """'auto' is MARBLE with several rewards; with one reward every aggregation is plain DiffusionNFT."""
+        if num_rewards == 1:
+            return "single"
+        return "marble" if requested == "auto" else requested
 
     def _send_telemetry(self) -> None:
         # TRL's telemetry reads `model.config.model_type`, which diffusers models do not have (it would crash every
@@ -280,7 +288,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         self._metrics["time/rollout"].append(rollout_time)
         self._metrics["time/reward"].append(reward_time)
 
-        combined = adv.combined[local_positions]
+        mode, combined_global = self._step_mode(adv.per_reward, adv.combined)
+        combined = combined_global[local_positions]
         per_reward = adv.per_reward[:, local_positions]
         num_train = max(1, int(len(self.train_sigmas) * args.timestep_fraction))
         perm_gen = self._generator(1)
@@ -297,9 +306,33 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                     "per_reward_advantages": per_reward[:, sl].to(device),
                     "timestep_index": perms[:, :num_train],
                     "micro_batch": m,
+                    "last_micro_batch": m == len(batches) - 1,
+                    "mode": mode,
                 }
             )
         return out
+
+    def _step_mode(self, per_reward: torch.Tensor, combined: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """How this step's gradient is formed, and the single advantage used by its ordinary backward.
+
+        - ``"plain"``: one backward of the NFT loss with ``combined`` (one reward, or a weighted-sum baseline);
+        - ``"cosines"``: the same update, plus the K per-reward gradients for the Table S1 diagnostics;
+        - ``"refresh"``: a MARBLE refresh step (per-reward gradients, QP, Eq. 7);
+        - ``"amortised"``: a MARBLE step between refreshes: ``A_bar = sum_k alpha_bar_k A_k`` (Prop. 1).
+        """
+        if self.balancer is None:
+            return ("cosines" if self.args.log_update_cosines else "plain"), combined
+        step = self.state.global_step
+        if self.balancer.uniform_final_steps and self.balancer.max_steps is None:
+            self.balancer.max_steps = self.state.max_steps
+        weights = self.balancer.advantage_weights(step, dtype=per_reward.dtype)
+        a_bar = (weights[:, None] * per_reward).sum(dim=0)
+        # Prop. 1 is exact only while no r_k is clamped; the paper counts violations (its pareto_fallback_used).
+        violations = int((per_reward.abs() >= self.args.adv_clip_max).any(dim=0).sum())
+        if violations:
+            self.balancer.record_clamp_violations(violations)
+        self._metrics["marble/clamp_violations"].append(float(self.balancer.num_clamp_violations))
+        return ("refresh" if self.balancer.is_refresh_step(step) else "amortised"), a_bar
 
     def _gather_rewards(self, rewards_local: torch.Tensor, prompts: list[str], micro: int):
         """Gather the step's rewards from every process in the global sampler order.
@@ -380,6 +413,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         num_train = timestep_index.shape[1]
         scale = 1.0 / (num_train * self.current_gradient_accumulation_steps)
         noise_gen = self._generator(2, inputs["micro_batch"])
+        engine = self._engine_for(inputs)
+        r_k = advantage_to_r(inputs["per_reward_advantages"].to(device), args.adv_clip_max) if engine else None
         total = torch.zeros((), device=device)
         sums: dict[str, float] = defaultdict(float)
         for j in range(num_train):
@@ -394,14 +429,34 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                 if args.beta > 0:
                     with use_reference(transformer):
                         v_ref = self._velocity(transformer, x_t, timestep, inputs).float()
-            last = j == num_train - 1
-            sync = contextlib.nullcontext() if last else self.accelerator.no_sync(model)
-            with sync:
-                with self._autocast():
-                    v_theta = self._velocity(model, x_t, timestep, inputs).float()
-                terms = nft_loss_terms(v_theta, v_old, x_t, x0, t, args.nft_beta, v_ref)
-                loss = nft_loss(terms, r, args.nft_beta, args.adv_clip_max, args.beta)
-                self.accelerator.backward(loss * scale)
+            if engine is not None:
+                # Forward through the unwrapped module: the engine back-propagates itself (DDP is bypassed and the
+                # step's gradients are all-reduced by hand in _finish_engine_step).
+                with engine.capture(transformer):
+                    with self._autocast():
+                        v_theta = self._velocity(transformer, x_t, timestep, inputs).float()
+                    terms = nft_loss_terms(v_theta, v_old, x_t, x0, t, args.nft_beta, v_ref)
+                    loss = nft_loss(terms, r, args.nft_beta, args.adv_clip_max, args.beta)
+                    if inputs["mode"] == "refresh" and args.marble_refresh_update == "gradient":
+                        extra = args.beta * terms.kl.mean() * scale if args.beta > 0 else None
+                    else:
+                        extra = loss * scale
+                    engine.accumulate(
+                        terms.loss_pos,
+                        terms.loss_neg,
+                        r_k,
+                        scale=args.adv_clip_max / args.nft_beta * scale / x0.shape[0],
+                        extra_loss=extra,
+                    )
+            else:
+                last = j == num_train - 1
+                sync = contextlib.nullcontext() if last else self.accelerator.no_sync(model)
+                with sync:
+                    with self._autocast():
+                        v_theta = self._velocity(model, x_t, timestep, inputs).float()
+                    terms = nft_loss_terms(v_theta, v_old, x_t, x0, t, args.nft_beta, v_ref)
+                    loss = nft_loss(terms, r, args.nft_beta, args.adv_clip_max, args.beta)
+                    self.accelerator.backward(loss * scale)
             total += loss.detach()
             sums["nft/loss_pos"] += terms.loss_pos.mean().item()
             sums["nft/loss_neg"] += terms.loss_neg.mean().item()
@@ -411,8 +466,79 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             self._metrics[key].append(value / num_train)
         self._metrics["nft/r_mean"].append(r.mean().item())
         self._metrics["nft/r_clamped_frac"].append(((r <= 0) | (r >= 1)).float().mean().item())
+        if engine is not None and inputs["last_micro_batch"]:
+            self._finish_engine_step(engine, inputs["mode"])
         self._step_timer["train"] += time.perf_counter() - start
         return total * scale
+
+    def _engine_for(self, inputs: dict[str, Any]):
+        """The per-reward gradient engine on refresh / cosine steps (built on first use), else ``None``."""
+        if inputs["mode"] not in ("refresh", "cosines"):
+            return None
+        if self.is_deepspeed_enabled:
+            raise NotImplementedError(
+                "Per-reward gradients under DeepSpeed are not supported yet: set marble_refresh_update='advantage' "
+                "is planned; for now use DDP or a single process."
+            )
+        if self._gradient_engine is None:
+            self._gradient_engine = make_gradient_engine(
+                self.args.marble_gradient_engine,
+                list(self.trainable_parameters().values()),
+                len(self.reward_funcs),
+                self.transformer,
+            )
+        if inputs["micro_batch"] == 0:
+            self._gradient_engine.reset()
+        return self._gradient_engine
+
+    def _finish_engine_step(self, engine, mode: str) -> None:
+        """After the step's last micro-batch: all-reduce, then MARBLE's QP and Eq. 7 (or the baseline cosines)."""
+        start = time.perf_counter()
+        buffers = engine.buffers
+        params = engine.params
+        if self.accelerator.num_processes > 1:
+            world = self.accelerator.num_processes
+            torch.distributed.all_reduce(buffers)
+            buffers.div_(world)
+            for p in params:
+                if p.grad is not None:
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad.div_(world)
+        if not torch.isfinite(buffers).all():
+            bad = [n for n, row in zip(self.reward_names, buffers) if not torch.isfinite(row).all()]
+            raise FloatingPointError(
+                f"Step {self.state.global_step}: the per-reward gradients of {bad} are not finite (training diverged "
+                "or a reward produced extreme advantages); lower the learning rate or check the rewards."
+            )
+        if mode == "refresh":
+            update, info = self.balancer.combine(buffers)
+            if self.args.marble_refresh_update == "gradient":
+                for p, chunk in zip(params, unflatten(update, params)):
+                    chunk = chunk.to(device=p.device, dtype=p.dtype)
+                    p.grad = chunk.clone() if p.grad is None else p.grad.add_(chunk)
+            self._log_marble(info)
+        else:
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+            cosines = update_cosines(flat, buffers.float())
+            stats = cosine_stats(cosines)
+            for name, c in zip(self.reward_names, cosines.tolist()):
+                self._metrics[f"update_cos/{name}"].append(c)
+            self._metrics["update_cos/worst"].append(float(stats["worst_cosine"]))
+            self._metrics["update_cos/conflict"].append(float(stats["conflict"]))
+        self._metrics["time/balancer"].append(time.perf_counter() - start)
+
+    def _log_marble(self, info: dict[str, Any]) -> None:
+        for k, name in enumerate(self.reward_names):
+            self._metrics[f"marble/alpha/{name}"].append(float(info["alpha_used"][k]))
+            self._metrics[f"marble/alpha_bar/{name}"].append(float(info["alpha_bar"][k]))
+            self._metrics[f"marble/grad_norm/{name}"].append(float(info["grad_norms"][k]))
+            self._metrics[f"marble/cos/{name}"].append(float(info["cosines"][k]))
+        self._metrics["marble/worst_cos"].append(float(info["worst_cosine"]))
+        self._metrics["marble/mean_cos"].append(float(info["mean_cosine"]))
+        self._metrics["marble/conflict"].append(float(info["conflict"]))
+        self._metrics["marble/qp_time"].append(float(info["qp_time_s"]))
+        self._metrics["marble/qp_fallback"].append(float(info["used_fallback"]))
+        self._metrics["marble/refreshes"].append(float(self.balancer.num_refreshes))
 
     def _after_optimizer_step(self) -> None:
         step = self.state.global_step  # optimizer steps completed before this one
