@@ -207,7 +207,9 @@ class ModelReward:
         with torch.no_grad():
             for start in range(0, len(prompts), self.batch_size):
                 chunk = images[start : start + self.batch_size].to(self.device, torch.float32)
-                scores.extend(self._score(list(prompts[start : start + self.batch_size]), chunk).float().cpu().tolist())
+                scores.extend(
+                    self._score(list(prompts[start : start + self.batch_size]), chunk).float().cpu().tolist()
+                )
         return scores
 
 
@@ -234,14 +236,18 @@ class _CLIPReward(ModelReward):
 
         self.model = self._freeze(CLIPModel.from_pretrained(self.model_name_or_path, dtype=self.dtype))
         self.tokenizer = AutoTokenizer.from_pretrained(self.processor_name_or_path)
-        self.transform = ImageTransform.from_image_processor(AutoImageProcessor.from_pretrained(self.processor_name_or_path))
+        self.transform = ImageTransform.from_image_processor(
+            AutoImageProcessor.from_pretrained(self.processor_name_or_path)
+        )
         self.max_length = int(self.model.config.text_config.max_position_embeddings)
 
     def _embeddings(self, prompts: list[str], pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Unit-norm float32 image and text embeddings, ``[b, d]`` each."""
         pixel_values = self.transform(pixels).to(self.dtype)
         image = _pooled(self.model.get_image_features(pixel_values=pixel_values)).float()
-        tokens = self.tokenizer(prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        tokens = self.tokenizer(
+            prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
         text = _pooled(self.model.get_text_features(**tokens.to(self.device))).float()
         return F.normalize(image, dim=-1), F.normalize(text, dim=-1)
 
@@ -333,7 +339,9 @@ class AestheticScore(ModelReward):
         # The full CLIPModel, not CLIPVisionModelWithProjection: the latter reads projection_dim from the vision
         # sub-config, which some CLIP configs leave at its default, and would then silently re-initialise the projection.
         self.vision = self._freeze(CLIPModel.from_pretrained(self.model_name_or_path, dtype=self.dtype))
-        self.transform = ImageTransform.from_image_processor(AutoImageProcessor.from_pretrained(self.model_name_or_path))
+        self.transform = ImageTransform.from_image_processor(
+            AutoImageProcessor.from_pretrained(self.model_name_or_path)
+        )
         if self.mlp_path.startswith(("http://", "https://")):
             state = torch.hub.load_state_dict_from_url(
                 self.mlp_path, map_location="cpu", file_name=AESTHETIC_MLP_FILE, weights_only=True
@@ -466,7 +474,16 @@ class HPSv2Score(ModelReward):
     def _score(self, prompts: list[str], pixels: torch.Tensor) -> torch.Tensor:
         pixel_values = hps_transform(pixels, self.image_size).to(self.dtype)
         image = _pooled(self.model.get_image_features(pixel_values=pixel_values)).float()
-        tokens = self.tokenizer(prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        # split_special_tokens: laion's HF tokenizers declare "!" as their pad token, which would otherwise turn every "!"
+        # in a prompt into a special token; open_clip's tokenizer (HPSv2's reference) reads it as text.
+        tokens = self.tokenizer(
+            prompts,
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+            split_special_tokens=True,
+        )
         text = _pooled(self.model.get_text_features(**tokens.to(self.device))).float()
         return (F.normalize(image, dim=-1) * F.normalize(text, dim=-1)).sum(-1)
 
@@ -513,7 +530,10 @@ class ImageRewardScore(ModelReward):
     def _load(self) -> None:
         rm = require("ImageReward", reward="imagereward", hint=_IMAGEREWARD_HINT)
         model = rm.load(
-            self.model_name_or_path, device=str(self.device), download_root=self.download_root, med_config=self.med_config
+            self.model_name_or_path,
+            device=str(self.device),
+            download_root=self.download_root,
+            med_config=self.med_config,
         )
         self.model = self._freeze(model)
 

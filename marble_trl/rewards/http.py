@@ -17,7 +17,6 @@ import http.client
 import io
 import json
 import math
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -113,8 +112,9 @@ class HTTPReward:
             try:
                 json.dumps(values)
             except (TypeError, ValueError) as err:
-                raise self._fail(f"column {key!r} is not JSON-serialisable ({err}); pass `columns` to choose "
-                                 "which columns to send.") from err
+                raise self._fail(
+                    f"column {key!r} is not JSON-serialisable ({err}); pass `columns` to choose which columns to send."
+                ) from err
             metadata[key] = values
         body = {
             "prompts": list(prompts),
@@ -134,10 +134,10 @@ class HTTPReward:
             if err.code >= 500 or err.code == 429:
                 raise _Transient(message) from err
             raise self._fail(message) from err
-        except (TimeoutError, socket.timeout) as err:
+        except TimeoutError as err:
             raise _Transient(f"no answer within {self.timeout:g} s") from err
         except urllib.error.URLError as err:
-            if isinstance(err.reason, (TimeoutError, socket.timeout)):
+            if isinstance(err.reason, TimeoutError):  # socket.timeout is an alias of TimeoutError
                 raise _Transient(f"no answer within {self.timeout:g} s") from err
             raise _Transient(f"cannot connect ({err.reason})") from err
         except (OSError, http.client.HTTPException) as err:  # reset / refused / truncated mid-request
