@@ -206,8 +206,9 @@ class TwoStreamGradientEngine(_EngineBase):
 
     Every parameter in ``params`` must be the weight or bias of a plain ``nn.Linear`` inside ``module`` (see
     :func:`find_unsupported_params`). ``capture`` installs forward hooks on those layers and removes them on exit.
-    Memory: per hooked layer and pass, a transient ``[B, out, in]`` per-sample gradient (small for LoRA); the layer
-    input is held by autograd's own saved tensors, not by the engine.
+    Memory: no activation beyond what autograd saves anyway (the tap saves the tensor the Linear saves, see
+    :func:`_prepare_input`), plus, transiently per layer during the ``e`` pass, a ``[B, out, in]`` per-sample
+    gradient (small for LoRA).
     """
 
     def __init__(self, params: list[nn.Parameter], num_rewards: int, module: nn.Module) -> None:
@@ -245,7 +246,11 @@ class TwoStreamGradientEngine(_EngineBase):
             raise RuntimeError("capture() is not re-entrant.")
         if module is not self._module:
             raise ValueError("capture() must receive the module the engine was built with (the unwrapped model).")
-        handles = [s.module.register_forward_hook(self._make_hook(s)) for s in self._sites]
+        handles = []
+        for site in self._sites:
+            if site.weight_offset is not None:
+                handles.append(site.module.register_forward_pre_hook(_prepare_input))
+            handles.append(site.module.register_forward_hook(self._make_hook(site)))
         self._capturing = True
         try:
             yield
@@ -322,6 +327,25 @@ class TwoStreamGradientEngine(_EngineBase):
                     dst.add_(gb.sum(dim=0, keepdim=True))
                 else:
                     dst.addmm_(self._r, gb)
+
+
+def _prepare_input(module: nn.Module, args: tuple) -> tuple | None:
+    """Make the copies F.linear would make anyway before the Linear runs, so the Linear and the tap save ONE tensor.
+
+    - autocast: F.linear casts float32 inputs to the autocast dtype and saves that copy (peft moreover up-casts LoRA
+      inputs to the adapter's float32 first); the tap would otherwise keep the float32 input alive as well;
+    - non-contiguous ``[B, N, in]`` inputs (SD3's ``to_out``/``to_add_out`` see slices of the joint attention output):
+      matmul saves a contiguous copy, while the tap would keep the whole parent buffer alive.
+    Values and graph are unchanged; checked by tests/test_gram.py::test_capture_saves_no_extra_activations.
+    """
+    if not torch.is_grad_enabled() or not args or not isinstance(args[0], Tensor):
+        return None
+    x = args[0]
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and x.is_floating_point() and x.dtype != torch.float64:
+        x = x.to(torch.get_autocast_dtype(device_type))
+    x = x.contiguous()
+    return None if x is args[0] else (x, *args[1:])
 
 
 def _is_plain_linear(m: nn.Module) -> bool:
