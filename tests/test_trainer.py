@@ -1,0 +1,215 @@
+"""End-to-end and integration tests of MarbleDiffusionNFTTrainer on the tiny offline pipeline."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
+from marble_trl.data import load_prompt_dataset
+from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER
+from marble_trl.rewards import RewardError
+
+TINY_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "proj_out",
+]
+
+
+def tiny_args(tmp_path, **overrides) -> MarbleDiffusionNFTConfig:
+    kwargs = dict(
+        output_dir=str(tmp_path),
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        max_steps=2,
+        learning_rate=1e-2,
+        per_device_train_batch_size=8,
+        num_generations=8,
+        prompts_per_step=2,
+        resolution=32,
+        num_sample_steps=4,
+        sample_scheduler="euler",
+        max_sequence_length=8,
+        lora_r=4,
+        lora_alpha=8,
+        lora_target_modules=TINY_TARGETS,
+        use_cpu=True,
+        seed=0,
+    )
+    kwargs.update(overrides)
+    return MarbleDiffusionNFTConfig(**kwargs)
+
+
+def brightness(prompts, images, **_):
+    return images.float().mean(dim=(1, 2, 3)).tolist()
+
+
+def contrast(prompts, images, **_):
+    return images.float().mean(dim=1).flatten(1).std(dim=1).tolist()
+
+
+def history(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def test_constructs_and_trains_with_CI_unset(tmp_path, monkeypatch):
+    # TRL's telemetry crashes on diffusers models outside CI (it reads model.config.model_type).
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("HF_HUB_DISABLE_TELEMETRY", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    trainer = MarbleDiffusionNFTTrainer("tiny", brightness, args=tiny_args(tmp_path, max_steps=1), train_dataset=load_prompt_dataset())
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_only_lora_changes_and_brightness_rises(tmp_path):
+    args = tiny_args(tmp_path, max_steps=8, beta=0.0)
+    trainer = MarbleDiffusionNFTTrainer("tiny", brightness, args=args, train_dataset=load_prompt_dataset())
+    before = {n: p.detach().clone() for n, p in trainer.transformer.named_parameters()}
+    frozen = {
+        name: {n: p.detach().clone() for n, p in getattr(trainer.pipeline, name).named_parameters()}
+        for name in ("vae", "text_encoder", "text_encoder_2")
+    }
+    trainer.train()
+
+    after = dict(trainer.transformer.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed, "training changed nothing"
+    assert all(f".{TRAIN_ADAPTER}." in n or f".{OLD_ADAPTER}." in n for n in changed), sorted(changed)[:3]
+    assert any(f".{TRAIN_ADAPTER}." in n for n in changed)
+    assert any(f".{OLD_ADAPTER}." in n for n in changed)  # the old policy followed
+    for name, params in frozen.items():
+        for n, p in getattr(trainer.pipeline, name).named_parameters():
+            assert torch.equal(p, params[n]), f"{name}.{n} changed"
+
+    curve = history(trainer, "rewards/brightness/mean")
+    assert len(curve) == 8
+    # The group std of brightness is ~0.0015 here; 8 steps must move the mean well beyond that.
+    assert sum(curve[-2:]) / 2 > curve[0] + 0.003, curve
+    for key in ("loss", "kl", "reward", "reward_std", "frac_reward_zero_std", "rewards/brightness/std",
+                "time/rollout", "time/train", "nft/loss_pos", "nft/loss_neg"):
+        assert history(trainer, key), f"metric {key} was not logged"
+
+
+def test_marble_refresh_and_amortised_steps(tmp_path):
+    args = tiny_args(tmp_path, max_steps=3, marble_refresh_interval=2)
+    trainer = MarbleDiffusionNFTTrainer(
+        "tiny", [brightness, contrast], args=args, train_dataset=load_prompt_dataset()
+    )
+    assert trainer.aggregation == "marble"
+    trainer.train()
+    assert trainer.balancer.num_refreshes == 2  # steps 0 and 2
+    worst = history(trainer, "marble/worst_cos")
+    assert len(worst) == 2
+    # Eq. 7 with the min-norm alpha*: the update conflicts with no reward.
+    assert all(w >= -1e-5 for w in worst), worst
+    alphas = [history(trainer, f"marble/alpha/{n}") for n in ("brightness", "contrast")]
+    for a, b in zip(*alphas):
+        assert a >= 0 and b >= 0 and math.isclose(a + b, 1.0, abs_tol=1e-9)
+
+
+def test_amortised_gradient_equals_alpha_weighted_per_reward_gradients(tmp_path):
+    """Prop. 1 through the whole trainer: the one-backward A_bar step equals sum_k alpha_k g_k (+ KL)."""
+    args = tiny_args(tmp_path, max_steps=1, beta=0.0, marble_gradient_engine="reference")
+    trainer = MarbleDiffusionNFTTrainer(
+        "tiny", [brightness, contrast], args=args, train_dataset=load_prompt_dataset()
+    )
+    state = trainer.balancer.state_dict()
+    state["alpha_bar"] = [0.8, 0.2]
+    trainer.balancer.load_state_dict(state)
+    trainer.state.global_step = 1  # an amortised step (refresh interval 10)
+    trainer.create_optimizer_and_scheduler(num_training_steps=1)
+    loader = trainer.get_train_dataloader()
+    it = iter(loader)
+    micro = trainer.get_batch_samples(it, args.gradient_accumulation_steps, trainer.args.device)[0]
+    assert all(mb["mode"] == "amortised" for mb in micro)
+    trainer.current_gradient_accumulation_steps = len(micro)
+    model = trainer.model
+    model.zero_grad()
+    for mb in micro:
+        trainer.training_step(model, mb)
+    params = list(trainer.trainable_parameters().values())
+    amortised = torch.cat([p.grad.reshape(-1) for p in params]).clone()
+
+    model.zero_grad()
+    for mb in micro:
+        mb["mode"] = "cosines"  # same batch, same noise: now with the per-reward engine
+        trainer.training_step(model, mb)
+    g = trainer._gradient_engine.buffers
+    weighted = 0.8 * g[0] + 0.2 * g[1]
+    torch.testing.assert_close(amortised, weighted, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "dataset, message",
+    [
+        (Dataset.from_dict({"prompt": []}), "empty"),
+        (Dataset.from_dict({"text": ["a", "b"]}), "no 'prompt' column"),
+        (None, "train_dataset is required"),
+    ],
+)
+def test_bad_datasets(tmp_path, dataset, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        MarbleDiffusionNFTTrainer("tiny", brightness, args=tiny_args(tmp_path), train_dataset=dataset)
+
+
+def _raising(prompts, images, **_):
+    raise KeyError("boom")
+
+
+def _short(prompts, images, **_):
+    return [0.0] * (len(prompts) - 1)
+
+
+def _inf(prompts, images, **_):
+    return [float("inf")] + [0.0] * (len(prompts) - 1)
+
+
+@pytest.mark.parametrize(
+    "reward, message",
+    [(_raising, r"Reward '_raising' raised KeyError.*prompts"), (_short, "returned 15 values for 16"), (_inf, "finite")],
+)
+def test_bad_rewards_fail_clearly(tmp_path, reward, message):
+    trainer = MarbleDiffusionNFTTrainer("tiny", reward, args=tiny_args(tmp_path, max_steps=1), train_dataset=load_prompt_dataset())
+    with pytest.raises(RewardError, match=message):
+        trainer.train()
+
+
+def test_reward_weights_length_and_unique_names(tmp_path):
+    with pytest.raises(ValueError, match="reward_weights has 1 entries for 2 rewards"):
+        MarbleDiffusionNFTTrainer(
+            "tiny", [brightness, contrast], args=tiny_args(tmp_path, reward_weights=[1.0]), train_dataset=load_prompt_dataset()
+        )
+    with pytest.raises(ValueError, match="unique"):
+        MarbleDiffusionNFTTrainer("tiny", [brightness, brightness], args=tiny_args(tmp_path), train_dataset=load_prompt_dataset())
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model_name_or_path"):
+        MarbleDiffusionNFTTrainer("./no/such/model", brightness, args=tiny_args(tmp_path), train_dataset=load_prompt_dataset())
+
+
+def test_extra_columns_reach_rewards(tmp_path):
+    seen = {}
+
+    def uses_column(prompts, images, target, **_):
+        seen["pairs"] = list(zip(prompts, target))
+        return [float(t == "x") for t in target]
+
+    ds = Dataset.from_dict({"prompt": ["p0", "p1", "p2"], "target": ["x", "y", "z"]})
+    trainer = MarbleDiffusionNFTTrainer("tiny", uses_column, args=tiny_args(tmp_path, max_steps=1), train_dataset=ds)
+    trainer.train()
+    expected = {"p0": "x", "p1": "y", "p2": "z"}
+    assert seen["pairs"] and all(expected[p] == t for p, t in seen["pairs"])
