@@ -25,6 +25,15 @@ TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_
 B, SCALE, NFT_BETA = 3, 0.37, 0.5
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: intra-op threads only add OpenMP overhead (4x on a busy 2-core machine); restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny_transformer(seed: int = 0, qk_norm: str | None = None) -> SD3Transformer2DModel:
     torch.manual_seed(seed)
     model = SD3Transformer2DModel(

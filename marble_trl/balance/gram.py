@@ -107,12 +107,19 @@ class _EngineBase:
         for p in self.params:
             self._offsets[id(p)] = offset
             offset += p.numel()
-        self.buffers = torch.zeros(num_rewards, offset, dtype=_buffer_dtype(self.params), device=self.params[0].device)
+        self._buffers = torch.zeros(
+            num_rewards, offset, dtype=_buffer_dtype(self.params), device=self.params[0].device
+        )
         self._capturing = False
+
+    @property
+    def buffers(self) -> Tensor:
+        """``[K, P]``: row k = the accumulated ``scale * grad sum_i l_k`` of ``params``, flat, in list order."""
+        return self._buffers
 
     def reset(self) -> None:
         """Zero the buffers in place (the allocation is kept)."""
-        self.buffers.zero_()
+        self._buffers.zero_()
 
     def _check_inputs(self, loss_pos: Tensor, loss_neg: Tensor, r: Tensor) -> None:
         if not self._capturing:
@@ -159,7 +166,7 @@ class ReferenceGradientEngine(_EngineBase):
             for p, g in zip(self.params, grads):
                 if g is not None:
                     off = self._offsets[id(p)]
-                    self.buffers[k, off : off + p.numel()].add_(g.reshape(-1).to(self.buffers.dtype))
+                    self._buffers[k, off : off + p.numel()].add_(g.reshape(-1).to(self._buffers.dtype))
         self._backward_extra(extra_loss)
 
 
@@ -218,11 +225,30 @@ class TwoStreamGradientEngine(_EngineBase):
             raise ValueError(f"two_stream cannot handle trainable parameter {unsupported[0]}; use 'reference'.")
         self._sites = self._build_sites(module)
         self._module = module
-        self._dummy = torch.zeros((), device=self.buffers.device, requires_grad=True)
+        self._dummy = torch.zeros((), device=self._buffers.device, requires_grad=True)
+        # The u stream is common to all K rewards: accumulate it once ([P], not [K, P]: halves the buffer traffic) and
+        # fold it into the K rows when `buffers` is read (once per optimizer step in the trainer).
+        self._common = torch.zeros_like(self._buffers[0])
+        self._common_dirty = False
         self._mode: str | None = None  # None (pass-through), "u" (aggregated) or "e" (per-sample, contracted with r)
         self._r: Tensor | None = None
         self._batch = 0
         self._taps_fired = 0
+
+    @property
+    def buffers(self) -> Tensor:
+        """``[K, P]``: row k = the accumulated ``scale * grad sum_i l_k`` of ``params``, flat, in list order."""
+        if self._common_dirty:
+            self._buffers.add_(self._common)
+            self._common.zero_()
+            self._common_dirty = False
+        return self._buffers
+
+    def reset(self) -> None:
+        """Zero the buffers in place (the allocation is kept)."""
+        self._buffers.zero_()
+        self._common.zero_()
+        self._common_dirty = False
 
     def _build_sites(self, module: nn.Module) -> list[_Site]:
         sites = []
@@ -276,7 +302,7 @@ class TwoStreamGradientEngine(_EngineBase):
         self._check_inputs(loss_pos, loss_neg, r)
         has_extra = extra_loss is not None and extra_loss.requires_grad
         self._batch = loss_pos.shape[0]
-        self._r = r.detach().to(device=self.buffers.device, dtype=self.buffers.dtype)
+        self._r = r.detach().to(device=self._buffers.device, dtype=self._buffers.dtype)
         u = scale * loss_neg.sum()
         e = scale * (loss_pos - loss_neg).sum()
         try:
@@ -290,6 +316,7 @@ class TwoStreamGradientEngine(_EngineBase):
                     )
         finally:
             self._mode, self._r = None, None
+            self._common_dirty = True
         self._backward_extra(extra_loss)  # taps pass the KL cotangent through untouched (mode None)
 
     def _on_output_grad(self, site: _Site, x: Tensor | None, dy: Tensor) -> None:
@@ -302,31 +329,29 @@ class TwoStreamGradientEngine(_EngineBase):
                 f"Layer {site.name!r} sees a batch of {dy.shape[0] if dy.ndim else 0} (shape {tuple(dy.shape)}), "
                 f"the loss one of {b}: the two-stream engine needs the sample index on dim 0."
             )
-        buf = self.buffers
+        buf, common = self._buffers, self._common
         with torch.no_grad():
             dy3 = dy.reshape(b, -1, dy.shape[-1])  # [B, N, out]; N = tokens (1 for [B, dim] layers)
             if site.weight_offset is not None:
                 assert x is not None
                 x3 = x.reshape(b, -1, x.shape[-1])  # [B, N, in]
                 dtype = torch.promote_types(dy3.dtype, x3.dtype)
-                n = dy3.shape[-1] * x3.shape[-1]
-                dst = buf[:, site.weight_offset : site.weight_offset + n]
+                off, n = site.weight_offset, dy3.shape[-1] * x3.shape[-1]
                 if self._mode == "u":
-                    # Aggregated over samples and tokens: one [out, N*B] x [N*B, in] product, added to every k.
+                    # Aggregated over samples and tokens: one [out, N*B] x [N*B, in] product.
                     g = dy3.reshape(-1, dy3.shape[-1]).to(dtype).T @ x3.reshape(-1, x3.shape[-1]).to(dtype)
-                    dst.add_(g.reshape(1, n).to(buf.dtype))
+                    common[off : off + n].add_(g.reshape(n).to(buf.dtype))
                 else:
                     # Per-sample first ([B, out, in], token sum inside the bmm), then [K, B] x [B, out*in].
                     g = torch.bmm(dy3.to(dtype).transpose(1, 2), x3.to(dtype))
-                    dst.addmm_(self._r, g.reshape(b, n).to(buf.dtype))
+                    buf[:, off : off + n].addmm_(self._r, g.reshape(b, n).to(buf.dtype))
             if site.bias_offset is not None:
-                n = dy3.shape[-1]
-                dst = buf[:, site.bias_offset : site.bias_offset + n]
+                off, n = site.bias_offset, dy3.shape[-1]
                 gb = dy3.sum(dim=1).to(buf.dtype)  # [B, out]
                 if self._mode == "u":
-                    dst.add_(gb.sum(dim=0, keepdim=True))
+                    common[off : off + n].add_(gb.sum(dim=0))
                 else:
-                    dst.addmm_(self._r, gb)
+                    buf[:, off : off + n].addmm_(self._r, gb)
 
 
 def _prepare_input(module: nn.Module, args: tuple) -> tuple | None:
