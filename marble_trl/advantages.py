@@ -104,7 +104,9 @@ def collate_advantages(
       ``A_bar`` uses the balancer's weights instead).
     """
     num_rewards = rewards.shape[0]
-    weights = torch.ones(num_rewards) if reward_weights is None else torch.as_tensor(reward_weights, dtype=torch.float32)
+    weights = (
+        torch.ones(num_rewards) if reward_weights is None else torch.as_tensor(reward_weights, dtype=torch.float32)
+    )
     weights = weights.to(torch.float64)
     per_reward = normalize_rewards(rewards, num_generations, scale_rewards)
     all_nan = torch.isnan(rewards).all(dim=0)

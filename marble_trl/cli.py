@@ -41,7 +41,9 @@ class MarbleScriptArguments:
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on (datasets files/ids)."})
     reward_funcs: list[str] = field(
         default_factory=list,
-        metadata={"help": "Reward names or dotted import paths (see docs/rewards.md), e.g. brightness jpeg_compressibility."},
+        metadata={
+            "help": "Reward names or dotted import paths (see docs/rewards.md), e.g. brightness jpeg_compressibility."
+        },
     )
     sample_grid_prompts: int = field(
         default=4, metadata={"help": "Prompts in the before/after sample grid (0 disables the grid)."}
@@ -88,9 +90,7 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
     dataset = load_train_dataset(script_args.dataset_name, script_args.dataset_train_split)
     dtype = _resolve_dtype(script_args.torch_dtype, training_args)
     pipeline = load_sd3_pipeline(script_args.model_name_or_path, torch_dtype=dtype, tiny_seed=script_args.tiny_seed)
-    trainer = MarbleDiffusionNFTTrainer(
-        pipeline, script_args.reward_funcs, args=training_args, train_dataset=dataset
-    )
+    trainer = MarbleDiffusionNFTTrainer(pipeline, script_args.reward_funcs, args=training_args, train_dataset=dataset)
     out = Path(training_args.output_dir)
     grid_prompts = list(dict.fromkeys(dataset["prompt"]))[: script_args.sample_grid_prompts]
     seeds = range(script_args.sample_grid_seeds)

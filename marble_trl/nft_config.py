@@ -115,7 +115,9 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     # --- the NFT objective ---
     nft_beta: float = field(
         default=1.0,
-        metadata={"help": "NFT guidance strength beta of the implicit policies (reference 1.0; 0.1 for OCR/multi-reward)."},
+        metadata={
+            "help": "NFT guidance strength beta of the implicit policies (reference 1.0; 0.1 for OCR/multi-reward)."
+        },
     )
     beta: float = field(
         default=1e-4, metadata={"help": "KL weight to the reference (LoRA-disabled) model (reference: 1e-4)."}
@@ -142,7 +144,9 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     )
     reward_kwargs: dict | str | None = field(
         default=None,
-        metadata={"help": "Per-reward options keyed by reward name (model path, device, dtype, batch size), as a dict."},
+        metadata={
+            "help": "Per-reward options keyed by reward name (model path, device, dtype, batch size), as a dict."
+        },
     )
     scale_rewards: str = field(
         default="group",
@@ -167,7 +171,9 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     )
     marble_gradient_engine: str = field(
         default="auto",
-        metadata={"help": "Per-reward gradients: 'two_stream' (cost independent of K), 'reference' (K backwards), 'auto'."},
+        metadata={
+            "help": "Per-reward gradients: 'two_stream' (cost independent of K), 'reference' (K backwards), 'auto'."
+        },
     )
     marble_refresh_update: str = field(
         default="gradient",
@@ -181,7 +187,9 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     )
     log_update_cosines: bool = field(
         default=False,
-        metadata={"help": "Also log cos(update, g_k) for the weighted-sum baselines (costs a per-reward gradient pass)."},
+        metadata={
+            "help": "Also log cos(update, g_k) for the weighted-sum baselines (costs a per-reward gradient pass)."
+        },
     )
 
     # --- parameter EMA ---
@@ -209,7 +217,10 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             if not cond:
                 raise ValueError(message)
 
-        need(self.num_generations >= 2, f"num_generations must be >= 2 (a group needs a baseline), got {self.num_generations}.")
+        need(
+            self.num_generations >= 2,
+            f"num_generations must be >= 2 (a group needs a baseline), got {self.num_generations}.",
+        )
         need(self.lora_r >= 1, f"lora_r must be >= 1, got {self.lora_r}.")
         need(len(self.lora_target_modules) > 0, "lora_target_modules is empty: name at least one module to adapt.")
         need(self.num_sample_steps >= 1, f"num_sample_steps must be >= 1, got {self.num_sample_steps}.")
@@ -226,7 +237,10 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             self.old_policy_decay in DECAY_TYPES,
             f"old_policy_decay must be one of {DECAY_TYPES}, got {self.old_policy_decay!r}.",
         )
-        need(self.scale_rewards in SCALE_REWARDS, f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}.")
+        need(
+            self.scale_rewards in SCALE_REWARDS,
+            f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}.",
+        )
         need(
             self.multi_objective_aggregation in AGGREGATIONS,
             f"multi_objective_aggregation must be one of {AGGREGATIONS}, got {self.multi_objective_aggregation!r}.",
@@ -241,7 +255,10 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             "reward_kwargs must map reward names to option dicts.",
         )
         need(0 <= self.marble_rho < 1, f"marble_rho must be in [0, 1) (MARBLE: 0.7), got {self.marble_rho}.")
-        need(self.marble_refresh_interval >= 1, f"marble_refresh_interval must be >= 1, got {self.marble_refresh_interval}.")
+        need(
+            self.marble_refresh_interval >= 1,
+            f"marble_refresh_interval must be >= 1, got {self.marble_refresh_interval}.",
+        )
         need(
             self.marble_gradient_engine in ("auto", "two_stream", "reference"),
             f"marble_gradient_engine must be 'auto', 'two_stream' or 'reference', got {self.marble_gradient_engine!r}.",
@@ -251,7 +268,10 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             f"marble_refresh_update must be 'gradient' or 'advantage', got {self.marble_refresh_update!r}.",
         )
         need(self.marble_uniform_final_steps >= 0, "marble_uniform_final_steps must be >= 0.")
-        need(0 <= self.param_ema_max_decay < 1, f"param_ema_max_decay must be in [0, 1), got {self.param_ema_max_decay}.")
+        need(
+            0 <= self.param_ema_max_decay < 1,
+            f"param_ema_max_decay must be in [0, 1), got {self.param_ema_max_decay}.",
+        )
         if self.prompts_per_step is not None:
             need(self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}.")
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather, gather_object
-from transformers import TrainerCallback
+from transformers import TrainerCallback, set_seed
 
 from ._trl import BaseTrainer
 from .advantages import collate_advantages, group_std_is_zero
@@ -59,7 +59,7 @@ from .models import load_sd3_pipeline
 from .nft import add_noise, advantage_to_r, nft_loss, nft_loss_terms, old_policy_decay, param_ema_decay
 from .nft_config import MarbleDiffusionNFTConfig
 from .rewards import RewardFunc, resolve_reward_funcs, reward_name, score_rewards
-from .rollout import PromptEmbeddings, decode_latents, encode_prompts, make_scheduler, sample_latents, training_sigmas
+from .rollout import decode_latents, encode_prompts, make_scheduler, sample_latents, training_sigmas
 
 
 def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -115,6 +115,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         if not isinstance(args, MarbleDiffusionNFTConfig):
             raise TypeError(f"args must be a MarbleDiffusionNFTConfig, got {type(args).__name__}.")
         check_prompt_dataset(train_dataset)
+        # Seed before the LoRA is initialised (transformers.Trainer seeds only in its own __init__, after that).
+        set_seed(args.seed)
 
         self.pipeline = model if hasattr(model, "transformer") else load_sd3_pipeline(model)
         self.pipeline.set_progress_bar_config(disable=True)
@@ -223,9 +225,18 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         return self.accelerator.unwrap_model(self.model)
 
     def _generator(self, *keys: int) -> torch.Generator:
-        """A CPU generator seeded from the run seed, the step, the process and ``keys`` (reproducible, resumable)."""
-        seed = hash((self.args.seed, self.state.global_step, self.accelerator.process_index, *keys)) % (2**63)
+        """A CPU generator seeded from the run seed, the optimizer step and ``keys``.
+
+        Callers key it by the *global* micro-batch index (not the process index), so a run's random draws depend only
+        on which samples a micro-batch holds: 1 process with gradient accumulation and N processes with the same
+        global batch draw the same noise, and a resumed run draws what the uninterrupted one did.
+        """
+        seed = hash((self.args.seed, self.state.global_step, *keys)) % (2**63)
         return torch.Generator().manual_seed(seed)
+
+    def _global_batch_index(self, micro_batch: int) -> int:
+        """accelerate hands global batch ``j`` to process ``j % world``: process p's m-th is ``m * world + p``."""
+        return micro_batch * self.accelerator.num_processes + self.accelerator.process_index
 
     # ------------------------------------------------------------------ rollouts and rewards
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
@@ -255,7 +266,9 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         embeds = encode_prompts(self.pipeline, prompts, args.max_sequence_length, device)
         negative = None
         if args.guidance_scale > 1.0:
-            negative = encode_prompts(self.pipeline, [args.negative_prompt] * len(prompts), args.max_sequence_length, device)
+            negative = encode_prompts(
+                self.pipeline, [args.negative_prompt] * len(prompts), args.max_sequence_length, device
+            )
         latents, images = [], []
         with use_old_policy(self.transformer), self._autocast():
             for m in range(len(batches)):
@@ -266,7 +279,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                     embeds.index(sl),
                     args.num_sample_steps,
                     args.resolution,
-                    self._generator(0, m),
+                    self._generator(0, self._global_batch_index(m)),
                     args.guidance_scale,
                     negative.index(sl) if negative is not None else None,
                 )
@@ -292,10 +305,10 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         combined = combined_global[local_positions]
         per_reward = adv.per_reward[:, local_positions]
         num_train = max(1, int(len(self.train_sigmas) * args.timestep_fraction))
-        perm_gen = self._generator(1)
         out = []
         for m in range(len(batches)):
             sl = slice(m * micro, (m + 1) * micro)
+            perm_gen = self._generator(1, self._global_batch_index(m))
             perms = torch.stack([torch.randperm(len(self.train_sigmas), generator=perm_gen) for _ in range(micro)])
             out.append(
                 {
@@ -385,8 +398,12 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         weighted[torch.isnan(rewards).all(dim=0)] = float("nan")
         grouped = weighted.view(-1, g)
         self._metrics["reward"].append(torch.nanmean(weighted).item())
-        group_std = torch.stack([row[~torch.isnan(row)].std(unbiased=False) if (~torch.isnan(row)).sum() > 1
-                                 else torch.tensor(0.0) for row in grouped])
+        group_std = torch.stack(
+            [
+                row[~torch.isnan(row)].std(unbiased=False) if (~torch.isnan(row)).sum() > 1 else torch.tensor(0.0)
+                for row in grouped
+            ]
+        )
         self._metrics["reward_std"].append(group_std.mean().item())
         self._metrics["frac_reward_zero_std"].append(group_std_is_zero(weighted, g).float().mean().item())
 
@@ -412,7 +429,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         timestep_index = inputs["timestep_index"]
         num_train = timestep_index.shape[1]
         scale = 1.0 / (num_train * self.current_gradient_accumulation_steps)
-        noise_gen = self._generator(2, inputs["micro_batch"])
+        noise_gen = self._generator(2, self._global_batch_index(inputs["micro_batch"]))
         engine = self._engine_for(inputs)
         r_k = advantage_to_r(inputs["per_reward_advantages"].to(device), args.adv_clip_max) if engine else None
         total = torch.zeros((), device=device)
@@ -518,7 +535,9 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                     p.grad = chunk.clone() if p.grad is None else p.grad.add_(chunk)
             self._log_marble(info)
         else:
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+            )
             cosines = update_cosines(flat, buffers.float())
             stats = cosine_stats(cosines)
             for name, c in zip(self.reward_names, cosines.tolist()):
@@ -591,7 +610,9 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         embeds = encode_prompts(self.pipeline, prompts, args.max_sequence_length, device)
         negative = None
         if args.guidance_scale > 1.0:
-            negative = encode_prompts(self.pipeline, [args.negative_prompt] * len(prompts), args.max_sequence_length, device)
+            negative = encode_prompts(
+                self.pipeline, [args.negative_prompt] * len(prompts), args.max_sequence_length, device
+            )
         context = contextlib.nullcontext() if use_lora else use_reference(transformer)
         with context, self._autocast():
             latents = sample_latents(

@@ -21,7 +21,9 @@ def image_grid(images: torch.Tensor, columns: int) -> Image.Image:
     return grid
 
 
-def save_before_after(before: torch.Tensor, after: torch.Tensor, columns: int, path: str | Path, scale: int = 1) -> Path:
+def save_before_after(
+    before: torch.Tensor, after: torch.Tensor, columns: int, path: str | Path, scale: int = 1
+) -> Path:
     """Save a labelled sheet: the ``before`` grid above the ``after`` grid (same prompts and seeds)."""
     top, bottom = image_grid(before, columns), image_grid(after, columns)
     if scale > 1:

@@ -18,8 +18,19 @@ RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
 def test_train_command_runs_the_recipe(tmp_path):
     out = tmp_path / "run"
     code = main(
-        ["train", "--config", str(RECIPE), "--output_dir", str(out), "--max_steps", "3", "--disable_tqdm", "true",
-         "--marble_refresh_interval", "2"]
+        [
+            "train",
+            "--config",
+            str(RECIPE),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "3",
+            "--disable_tqdm",
+            "true",
+            "--marble_refresh_interval",
+            "2",
+        ]
     )
     assert code == 0
     assert (out / "pytorch_lora_weights.safetensors").is_file()
@@ -42,7 +53,16 @@ def test_cli_overrides_yaml_and_rejects_unknown(tmp_path, capsys):
 
     parser = TrlParser((MarbleScriptArguments, MarbleDiffusionNFTConfig))
     script, cfg = parser.parse_args_and_config(
-        ["--config", str(RECIPE), "--output_dir", str(tmp_path), "--learning_rate", "0.5", "--reward_funcs", "contrast"]
+        [
+            "--config",
+            str(RECIPE),
+            "--output_dir",
+            str(tmp_path),
+            "--learning_rate",
+            "0.5",
+            "--reward_funcs",
+            "contrast",
+        ]
     )
     assert cfg.learning_rate == 0.5 and script.reward_funcs == ["contrast"]
     assert cfg.num_generations == 8 and cfg.gradient_accumulation_steps == 2  # derived from prompts_per_step
@@ -61,9 +81,22 @@ def test_saved_lora_loads_in_plain_diffusers(tmp_path):
     from marble_trl.data import load_prompt_dataset
 
     args = MarbleDiffusionNFTConfig(
-        output_dir=str(tmp_path), report_to="none", save_strategy="no", disable_tqdm=True, max_steps=2,
-        learning_rate=3e-2, per_device_train_batch_size=4, num_generations=4, prompts_per_step=2, resolution=32,
-        num_sample_steps=3, sample_scheduler="euler", max_sequence_length=8, lora_r=4, lora_alpha=8, use_cpu=True,
+        output_dir=str(tmp_path),
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        max_steps=2,
+        learning_rate=3e-2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        prompts_per_step=2,
+        resolution=32,
+        num_sample_steps=3,
+        sample_scheduler="euler",
+        max_sequence_length=8,
+        lora_r=4,
+        lora_alpha=8,
+        use_cpu=True,
         beta=0.0,
     )
     trainer = MarbleDiffusionNFTTrainer("tiny", "brightness", args=args, train_dataset=load_prompt_dataset())
@@ -80,8 +113,14 @@ def test_saved_lora_loads_in_plain_diffusers(tmp_path):
 
     fresh.scheduler = make_scheduler("euler", fresh.scheduler)
     theirs = fresh(
-        prompts, num_inference_steps=3, guidance_scale=1.0, height=32, width=32, max_sequence_length=8,
-        output_type="pt", generator=torch.Generator().manual_seed(3),
+        prompts,
+        num_inference_steps=3,
+        guidance_scale=1.0,
+        height=32,
+        width=32,
+        max_sequence_length=8,
+        output_type="pt",
+        generator=torch.Generator().manual_seed(3),
     ).images
     assert (ours - base).abs().max() > 1e-3, "the LoRA changed nothing; the comparison would be vacuous"
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)

@@ -69,7 +69,9 @@ def test_constructs_and_trains_with_CI_unset(tmp_path, monkeypatch):
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("HF_HUB_DISABLE_TELEMETRY", raising=False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    trainer = MarbleDiffusionNFTTrainer("tiny", brightness, args=tiny_args(tmp_path, max_steps=1), train_dataset=load_prompt_dataset())
+    trainer = MarbleDiffusionNFTTrainer(
+        "tiny", brightness, args=tiny_args(tmp_path, max_steps=1), train_dataset=load_prompt_dataset()
+    )
     trainer.train()
     assert trainer.state.global_step == 1
 
@@ -98,16 +100,24 @@ def test_only_lora_changes_and_brightness_rises(tmp_path):
     assert len(curve) == 8
     # The group std of brightness is ~0.0015 here; 8 steps must move the mean well beyond that.
     assert sum(curve[-2:]) / 2 > curve[0] + 0.003, curve
-    for key in ("loss", "kl", "reward", "reward_std", "frac_reward_zero_std", "rewards/brightness/std",
-                "time/rollout", "time/train", "nft/loss_pos", "nft/loss_neg"):
+    for key in (
+        "loss",
+        "kl",
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "rewards/brightness/std",
+        "time/rollout",
+        "time/train",
+        "nft/loss_pos",
+        "nft/loss_neg",
+    ):
         assert history(trainer, key), f"metric {key} was not logged"
 
 
 def test_marble_refresh_and_amortised_steps(tmp_path):
     args = tiny_args(tmp_path, max_steps=3, marble_refresh_interval=2)
-    trainer = MarbleDiffusionNFTTrainer(
-        "tiny", [brightness, contrast], args=args, train_dataset=load_prompt_dataset()
-    )
+    trainer = MarbleDiffusionNFTTrainer("tiny", [brightness, contrast], args=args, train_dataset=load_prompt_dataset())
     assert trainer.aggregation == "marble"
     trainer.train()
     assert trainer.balancer.num_refreshes == 2  # steps 0 and 2
@@ -123,9 +133,7 @@ def test_marble_refresh_and_amortised_steps(tmp_path):
 def test_amortised_gradient_equals_alpha_weighted_per_reward_gradients(tmp_path):
     """Prop. 1 through the whole trainer: the one-backward A_bar step equals sum_k alpha_k g_k (+ KL)."""
     args = tiny_args(tmp_path, max_steps=1, beta=0.0, marble_gradient_engine="reference")
-    trainer = MarbleDiffusionNFTTrainer(
-        "tiny", [brightness, contrast], args=args, train_dataset=load_prompt_dataset()
-    )
+    trainer = MarbleDiffusionNFTTrainer("tiny", [brightness, contrast], args=args, train_dataset=load_prompt_dataset())
     state = trainer.balancer.state_dict()
     state["alpha_bar"] = [0.8, 0.2]
     trainer.balancer.load_state_dict(state)
@@ -179,10 +187,16 @@ def _inf(prompts, images, **_):
 
 @pytest.mark.parametrize(
     "reward, message",
-    [(_raising, r"Reward '_raising' raised KeyError.*prompts"), (_short, "returned 15 values for 16"), (_inf, "finite")],
+    [
+        (_raising, r"Reward '_raising' raised KeyError.*prompts"),
+        (_short, "returned 15 values for 16"),
+        (_inf, "finite"),
+    ],
 )
 def test_bad_rewards_fail_clearly(tmp_path, reward, message):
-    trainer = MarbleDiffusionNFTTrainer("tiny", reward, args=tiny_args(tmp_path, max_steps=1), train_dataset=load_prompt_dataset())
+    trainer = MarbleDiffusionNFTTrainer(
+        "tiny", reward, args=tiny_args(tmp_path, max_steps=1), train_dataset=load_prompt_dataset()
+    )
     with pytest.raises(RewardError, match=message):
         trainer.train()
 
@@ -190,15 +204,22 @@ def test_bad_rewards_fail_clearly(tmp_path, reward, message):
 def test_reward_weights_length_and_unique_names(tmp_path):
     with pytest.raises(ValueError, match="reward_weights has 1 entries for 2 rewards"):
         MarbleDiffusionNFTTrainer(
-            "tiny", [brightness, contrast], args=tiny_args(tmp_path, reward_weights=[1.0]), train_dataset=load_prompt_dataset()
+            "tiny",
+            [brightness, contrast],
+            args=tiny_args(tmp_path, reward_weights=[1.0]),
+            train_dataset=load_prompt_dataset(),
         )
     with pytest.raises(ValueError, match="unique"):
-        MarbleDiffusionNFTTrainer("tiny", [brightness, brightness], args=tiny_args(tmp_path), train_dataset=load_prompt_dataset())
+        MarbleDiffusionNFTTrainer(
+            "tiny", [brightness, brightness], args=tiny_args(tmp_path), train_dataset=load_prompt_dataset()
+        )
 
 
 def test_missing_model_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="model_name_or_path"):
-        MarbleDiffusionNFTTrainer("./no/such/model", brightness, args=tiny_args(tmp_path), train_dataset=load_prompt_dataset())
+        MarbleDiffusionNFTTrainer(
+            "./no/such/model", brightness, args=tiny_args(tmp_path), train_dataset=load_prompt_dataset()
+        )
 
 
 def test_extra_columns_reach_rewards(tmp_path):

@@ -87,7 +87,9 @@ def get_reward(spec: str | RewardFunc, **options: Any) -> RewardFunc:
     if "." in spec or ":" in spec:
         obj = _import_dotted(spec)
         return obj(**options) if options else obj
-    raise ValueError(f"Unknown reward {spec!r}. Known rewards: {', '.join(available_rewards())}; or give a dotted path.")
+    raise ValueError(
+        f"Unknown reward {spec!r}. Known rewards: {', '.join(available_rewards())}; or give a dotted path."
+    )
 
 
 def resolve_reward_funcs(

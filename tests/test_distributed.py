@@ -1,0 +1,58 @@
+"""Two real CPU processes (gloo): identical LoRA and MARBLE coefficients on both ranks, and the same result as one
+process with the same global batch (gradient accumulation instead of data parallelism)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).parent / "dist" / "tiny_run.py"
+
+
+def _run(out: Path, nproc: int, per_device: int, grad_accum: int, steps: int, aggregation: str) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_endpoint=127.0.0.1:0",
+        "--rdzv_backend=c10d",
+        str(WORKER),
+        str(out),
+        str(per_device),
+        str(grad_accum),
+        str(steps),
+        aggregation,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+
+@pytest.mark.slow
+def test_two_processes_match_each_other_and_one_process(tmp_path):
+    steps = 3  # refreshes at steps 0 and 2, an amortised step between
+    two = _run(tmp_path / "two", nproc=2, per_device=4, grad_accum=1, steps=steps, aggregation="marble")
+    one = _run(tmp_path / "one", nproc=1, per_device=4, grad_accum=2, steps=steps, aggregation="marble")
+    assert two[0]["world"] == 2 and one[0]["world"] == 1
+    for name, p0 in two[0]["lora"].items():
+        assert torch.equal(p0, two[1]["lora"][name]), f"ranks disagree on {name}"
+    assert two[0]["balancer"] == two[1]["balancer"]
+    assert two[0]["balancer"]["num_refreshes"] == 2
+    # Same global batch, same noise (keyed by global micro-batch): data parallel == gradient accumulation.
+    assert two[0]["rewards"][0] == pytest.approx(one[0]["rewards"][0], abs=1e-6)
+    assert two[0]["rewards"] == pytest.approx(one[0]["rewards"], abs=1e-4)
+    delta_two = torch.cat([(two[0]["lora"][n] - two[0]["init"][n]).flatten() for n in two[0]["lora"]])
+    delta_one = torch.cat([(one[0]["lora"][n] - one[0]["init"][n]).flatten() for n in one[0]["lora"]])
+    assert delta_one.norm() > 0
+    assert (delta_two - delta_one).norm() <= 1e-3 * delta_one.norm()
+    torch.testing.assert_close(
+        torch.tensor(two[0]["balancer"]["alpha_bar"]), torch.tensor(one[0]["balancer"]["alpha_bar"]), atol=1e-4, rtol=0
+    )
