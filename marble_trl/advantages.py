@@ -65,6 +65,10 @@ def normalize_rewards(rewards: torch.Tensor, num_generations: int, scale_rewards
         centred = centred / (_nanstd(grouped, dim=-1, keepdim=True) + STD_EPS)
     elif scale_rewards == "batch":
         centred = centred / (_nanstd(r, dim=-1, keepdim=True).unsqueeze(-1) + STD_EPS)
+    # A group whose applicable rewards all coincide carries no signal: exactly 0 (its float mean need not be exact).
+    lo = torch.where(torch.isnan(grouped), torch.inf, grouped).amin(dim=-1, keepdim=True)
+    hi = torch.where(torch.isnan(grouped), -torch.inf, grouped).amax(dim=-1, keepdim=True)
+    centred = torch.where(hi <= lo, torch.zeros_like(centred), centred)
     adv = centred.reshape(r.shape)
     return torch.nan_to_num(adv, nan=0.0).float()
 

@@ -108,6 +108,8 @@ def build_tiny_sd3_pipeline(
         text_encoder_1, text_encoder_2 = text_encoder(), text_encoder()
     finally:
         torch.random.set_rng_state(generator_state)
+    for module in (transformer, vae, text_encoder_1, text_encoder_2):
+        module.eval()  # as from_pretrained returns them
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
     return StableDiffusion3Pipeline(
         transformer=transformer,
@@ -144,7 +146,8 @@ def load_sd3_pipeline(
     if name_or_path == TINY_MODEL_NAME:
         pipe = build_tiny_sd3_pipeline(seed=tiny_seed)
         return pipe.to(dtype=torch_dtype) if torch_dtype is not None else pipe
-    looks_local = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]
+    # A Hub id is "name" or "org/name"; anything with more parts or a path prefix is a local path.
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     expanded = Path(name_or_path).expanduser()
     if looks_local and not expanded.exists():
         raise FileNotFoundError(

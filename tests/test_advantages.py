@@ -121,11 +121,6 @@ def test_zero_std_group_is_finite_and_zero_for_exact_values(scale):
     assert group_std_is_zero(as_t(rewards), 4).tolist() == [True, False, True]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="advantages.py:normalize_rewards: group mean of equal values is not exact in float64 (0.1*3 / 3 != 0.1), "
-    "the rounding residue (~1e-17) is divided by std+1e-4 -> |A| ~ 1e-13 instead of the documented exact 0.",
-)
 @pytest.mark.parametrize("value,g", [(0.1, 3), (0.7, 3)])
 def test_equal_rewards_give_exactly_zero_advantage(value, g):
     adv = normalize_rewards(torch.full((2 * g,), value, dtype=torch.float64), g, "group")
