@@ -199,6 +199,27 @@ def test_auto_falls_back_to_reference_with_warning(caplog: pytest.LogCaptureFixt
         make_gradient_engine("fast", params, 2, model)
 
 
+def test_dora_is_unsupported() -> None:
+    """DoRA reads lora_B (and its magnitude vector) outside the Linear forward: per-sample taps would miss that."""
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=1,
+        in_channels=4,
+        num_layers=1,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=32,
+        pooled_projection_dim=64,
+        out_channels=4,
+    )
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["to_q"]))
+    unsupported = find_unsupported_params(trainable(model), model)
+    assert len(unsupported) == 3 and all("DoRA" in u or "DoraLinearLayer" in u for u in unsupported)
+    assert isinstance(make_gradient_engine("auto", trainable(model), 2, model), ReferenceGradientEngine)
+
+
 def test_full_linear_params_beyond_lora_match() -> None:
     """Frozen base + trainable LoRA + trainable plain Linears with bias seeing [B, dim] and [B, tokens, dim] inputs."""
     model = tiny_transformer()
