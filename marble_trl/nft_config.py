@@ -160,7 +160,7 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         metadata={
             "help": "How several rewards combine: 'marble' (per-reward gradients + min-norm QP), "
             "'sum_then_normalize' (DiffusionNFT's weighted sum), 'normalize_then_sum' (GDPO), 'auto' (marble "
-            "when the balancer is available and there are several rewards, else sum_then_normalize)."
+            "with several rewards). With one reward every choice is plain DiffusionNFT."
         },
     )
 
@@ -194,7 +194,8 @@ class MarbleDiffusionNFTConfig(BaseConfig):
 
     # --- parameter EMA ---
     param_ema: bool = field(
-        default=False, metadata={"help": "Keep an EMA of the LoRA weights for evaluation and export (off by default)."}
+        default=False, metadata={"help": "Keep an EMA of the LoRA weights (off by default); `trainer.param_ema.swapped_in(transformer)` "
+            "loads it for evaluation or export. Not used by the loss."}
     )
     param_ema_max_decay: float = field(
         default=0.9, metadata={"help": "Cap of the parameter-EMA decay min((1+s)/(10+s), cap) (reference: 0.9)."}

@@ -43,8 +43,7 @@ from transformers import TrainerCallback, set_seed
 
 from ._trl import BaseTrainer
 from .advantages import collate_advantages, group_std_is_zero
-from .balance import MarbleBalancer, cosine_stats, update_cosines
-from .balance.gram import make_gradient_engine, unflatten
+from .balance import MarbleBalancer, cosine_stats, make_gradient_engine, unflatten, update_cosines
 from .data import GroupSampler, check_prompt_dataset
 from .lora import (
     TRAIN_ADAPTER,
@@ -110,8 +109,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
     ) -> None:
-        if args is None:
-            args = MarbleDiffusionNFTConfig(output_dir="marble-diffusion-nft")
+        if args is None:  # the reference setup: 48 prompts x 24 images per step
+            args = MarbleDiffusionNFTConfig(output_dir="marble-diffusion-nft", prompts_per_step=48)
         if not isinstance(args, MarbleDiffusionNFTConfig):
             raise TypeError(f"args must be a MarbleDiffusionNFTConfig, got {type(args).__name__}.")
         check_prompt_dataset(train_dataset)
@@ -341,7 +340,10 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         weights = self.balancer.advantage_weights(step, dtype=per_reward.dtype)
         a_bar = (weights[:, None] * per_reward).sum(dim=0)
         # Prop. 1 is exact only while no r_k is clamped; the paper counts violations (its pareto_fallback_used).
-        violations = int((per_reward.abs() >= self.args.adv_clip_max).any(dim=0).sum())
+        violations = int((per_reward.abs() > self.args.adv_clip_max).any(dim=0).sum())
+        # A reward whose advantages are all 0 this step (no spread, or not applicable anywhere) has no signal: its
+        # "gradient" would only be that of 0.5 (L_pos + L_neg); it is left out of the QP (zero buffer row).
+        self._reward_has_signal = (per_reward != 0).any(dim=1)
         if violations:
             self.balancer.record_clamp_violations(violations)
         self._metrics["marble/clamp_violations"].append(float(self.balancer.num_clamp_violations))
@@ -494,8 +496,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             return None
         if self.is_deepspeed_enabled:
             raise NotImplementedError(
-                "Per-reward gradients under DeepSpeed are not supported yet: set marble_refresh_update='advantage' "
-                "is planned; for now use DDP or a single process."
+                "MARBLE refresh steps and log_update_cosines need per-reward gradients, which are not supported under "
+                "DeepSpeed yet: use DDP or a single process, or multi_objective_aggregation='sum_then_normalize'."
             )
         if self._gradient_engine is None:
             self._gradient_engine = make_gradient_engine(
@@ -528,6 +530,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                 "or a reward produced extreme advantages); lower the learning rate or check the rewards."
             )
         if mode == "refresh":
+            buffers[~self._reward_has_signal.to(buffers.device)] = 0.0
             update, info = self.balancer.combine(buffers)
             if self.args.marble_refresh_update == "gradient":
                 for p, chunk in zip(params, unflatten(update, params)):
@@ -592,7 +595,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None) -> None:
-        # TRL's card is a language-model card; the diffusers LoRA card is written by marble_trl.export.
+        # TRL's card is a language-model card, wrong for a diffusers LoRA: write none until a LoRA card exists.
         return
 
     @torch.no_grad()
