@@ -194,8 +194,11 @@ class MarbleDiffusionNFTConfig(BaseConfig):
 
     # --- parameter EMA ---
     param_ema: bool = field(
-        default=False, metadata={"help": "Keep an EMA of the LoRA weights (off by default); `trainer.param_ema.swapped_in(transformer)` "
-            "loads it for evaluation or export. Not used by the loss."}
+        default=False,
+        metadata={
+            "help": "Keep an EMA of the LoRA weights (off by default); `trainer.param_ema.swapped_in(transformer)` "
+            "loads it for evaluation or export. Not used by the loss."
+        },
     )
     param_ema_max_decay: float = field(
         default=0.9, metadata={"help": "Cap of the parameter-EMA decay min((1+s)/(10+s), cap) (reference: 0.9)."}
