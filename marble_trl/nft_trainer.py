@@ -58,7 +58,7 @@ from .models import load_sd3_pipeline
 from .nft import add_noise, advantage_to_r, nft_loss, nft_loss_terms, old_policy_decay, param_ema_decay
 from .nft_config import MarbleDiffusionNFTConfig
 from .rewards import RewardFunc, resolve_reward_funcs, reward_name, score_rewards
-from .rollout import decode_latents, encode_prompts, make_scheduler, sample_latents, training_sigmas
+from .rollout import PromptEmbeddings, decode_latents, encode_prompts, make_scheduler, sample_latents, training_sigmas
 
 
 def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -262,12 +262,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         micro = len(batches[0])
 
         start = time.perf_counter()
-        embeds = encode_prompts(self.pipeline, prompts, args.max_sequence_length, device)
-        negative = None
-        if args.guidance_scale > 1.0:
-            negative = encode_prompts(
-                self.pipeline, [args.negative_prompt] * len(prompts), args.max_sequence_length, device
-            )
+        embeds, negative = self._encode(prompts)
         latents, images = [], []
         with use_old_policy(self.transformer), self._autocast():
             for m in range(len(batches)):
@@ -348,6 +343,17 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             self.balancer.record_clamp_violations(violations)
         self._metrics["marble/clamp_violations"].append(float(self.balancer.num_clamp_violations))
         return ("refresh" if self.balancer.is_refresh_step(step) else "amortised"), a_bar
+
+    def _encode(self, prompts: list[str]) -> tuple[PromptEmbeddings, PromptEmbeddings | None]:
+        """Prompt embeddings, and the negative prompt's when CFG is on (guidance_scale > 1)."""
+        args, device = self.args, self.accelerator.device
+        embeds = encode_prompts(self.pipeline, prompts, args.max_sequence_length, device)
+        negative = None
+        if args.guidance_scale > 1.0:
+            negative = encode_prompts(
+                self.pipeline, [args.negative_prompt] * len(prompts), args.max_sequence_length, device
+            )
+        return embeds, negative
 
     def _gather_rewards(self, rewards_local: torch.Tensor, prompts: list[str], micro: int):
         """Gather the step's rewards from every process in the global sampler order.
@@ -606,16 +612,10 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         ``use_lora=False``), with the rollout solver and a fixed seed (one generator per call, so the same seed gives
         the same noise with and without the LoRA)."""
         args = self.args
-        device = self.accelerator.device
         transformer = self.transformer
         was_training = transformer.training
         transformer.eval()
-        embeds = encode_prompts(self.pipeline, prompts, args.max_sequence_length, device)
-        negative = None
-        if args.guidance_scale > 1.0:
-            negative = encode_prompts(
-                self.pipeline, [args.negative_prompt] * len(prompts), args.max_sequence_length, device
-            )
+        embeds, negative = self._encode(prompts)
         context = contextlib.nullcontext() if use_lora else use_reference(transformer)
         with context, self._autocast():
             latents = sample_latents(

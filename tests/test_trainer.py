@@ -11,19 +11,10 @@ from datasets import Dataset
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
 from marble_trl.data import load_prompt_dataset
 from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER
+from marble_trl.nft_config import DEFAULT_LORA_TARGETS
 from marble_trl.rewards import RewardError
 
-TINY_TARGETS = [
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "proj_out",
-]
+TINY_TARGETS = [*DEFAULT_LORA_TARGETS, "proj_out"]  # proj_out lets the tiny model move colours quickly
 
 
 def tiny_args(tmp_path, **overrides) -> MarbleDiffusionNFTConfig:
