@@ -73,10 +73,15 @@ def normalize_rewards(rewards: torch.Tensor, num_generations: int, scale_rewards
     return torch.nan_to_num(adv, nan=0.0).float()
 
 
+def group_std(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """``[..., num_groups]`` population stds of each group's applicable rewards (float64)."""
+    grouped = rewards.double().reshape(*rewards.shape[:-1], -1, num_generations)
+    return _nanstd(grouped, dim=-1)
+
+
 def group_std_is_zero(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """``[..., num_groups]`` booleans: groups whose applicable rewards all coincide (no learning signal)."""
-    grouped = rewards.double().reshape(*rewards.shape[:-1], -1, num_generations)
-    return torch.isclose(_nanstd(grouped, dim=-1), torch.zeros((), dtype=torch.float64))
+    return torch.isclose(group_std(rewards, num_generations), torch.zeros((), dtype=torch.float64))
 
 
 @dataclass

@@ -34,7 +34,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from accelerate.utils import gather, gather_object
 from transformers import TrainerCallback, set_seed
 
 from ._trl import BaseTrainer
-from .advantages import collate_advantages, group_std_is_zero
+from .advantages import collate_advantages, group_std, group_std_is_zero
 from .balance import MarbleBalancer, cosine_stats, make_gradient_engine, unflatten, update_cosines
 from .data import GroupSampler, check_prompt_dataset
 from .lora import (
@@ -404,15 +404,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             self._metrics[f"rewards/{name}/frac_zero_std"].append(group_std_is_zero(values, g).float().mean().item())
         weighted = (rewards * self.reward_weights[:, None]).nansum(dim=0)
         weighted[torch.isnan(rewards).all(dim=0)] = float("nan")
-        grouped = weighted.view(-1, g)
         self._metrics["reward"].append(torch.nanmean(weighted).item())
-        group_std = torch.stack(
-            [
-                row[~torch.isnan(row)].std(unbiased=False) if (~torch.isnan(row)).sum() > 1 else torch.tensor(0.0)
-                for row in grouped
-            ]
-        )
-        self._metrics["reward_std"].append(group_std.mean().item())
+        self._metrics["reward_std"].append(group_std(weighted, g).mean().item())
         self._metrics["frac_reward_zero_std"].append(group_std_is_zero(weighted, g).float().mean().item())
 
     # ------------------------------------------------------------------ the NFT loss
@@ -635,6 +628,3 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The trainable LoRA parameters by name."""
         return lora_parameters(self.transformer, TRAIN_ADAPTER)
-
-
-RewardSpec = RewardFunc | str | Callable[..., Any]
