@@ -434,7 +434,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         engine = self._engine_for(inputs)
         r_k = advantage_to_r(inputs["per_reward_advantages"].to(device), args.adv_clip_max) if engine else None
         total = torch.zeros((), device=device)
-        sums: dict[str, float] = defaultdict(float)
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
         for j in range(num_train):
             t = self.train_sigmas[timestep_index[:, j]].to(device)
             noise = torch.randn(x0.shape, generator=noise_gen).to(device=device, dtype=x0.dtype)
@@ -450,11 +450,18 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             if engine is not None:
                 # Forward through the unwrapped module: the engine back-propagates itself (DDP is bypassed and the
                 # step's gradients are all-reduced by hand in _finish_engine_step).
-                with engine.capture(transformer):
-                    with self._autocast():
-                        v_theta = self._velocity(transformer, x_t, timestep, inputs).float()
-                    terms = nft_loss_terms(v_theta, v_old, x_t, x0, t, args.nft_beta, v_ref)
-                    loss = nft_loss(terms, r, args.nft_beta, args.adv_clip_max, args.beta)
+                module, context = transformer, engine.capture(transformer)
+            else:
+                module = model
+                context = contextlib.nullcontext() if j == num_train - 1 else self.accelerator.no_sync(model)
+            with context:
+                with self._autocast():
+                    v_theta = self._velocity(module, x_t, timestep, inputs).float()
+                terms = nft_loss_terms(v_theta, v_old, x_t, x0, t, args.nft_beta, v_ref)
+                loss = nft_loss(terms, r, args.nft_beta, args.adv_clip_max, args.beta)
+                if engine is None:
+                    self.accelerator.backward(loss * scale)
+                else:
                     if inputs["mode"] == "refresh" and args.marble_refresh_update == "gradient":
                         extra = args.beta * terms.kl.mean() * scale if args.beta > 0 else None
                     else:
@@ -466,22 +473,14 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                         scale=args.adv_clip_max / args.nft_beta * scale / x0.shape[0],
                         extra_loss=extra,
                     )
-            else:
-                last = j == num_train - 1
-                sync = contextlib.nullcontext() if last else self.accelerator.no_sync(model)
-                with sync:
-                    with self._autocast():
-                        v_theta = self._velocity(model, x_t, timestep, inputs).float()
-                    terms = nft_loss_terms(v_theta, v_old, x_t, x0, t, args.nft_beta, v_ref)
-                    loss = nft_loss(terms, r, args.nft_beta, args.adv_clip_max, args.beta)
-                    self.accelerator.backward(loss * scale)
             total += loss.detach()
-            sums["nft/loss_pos"] += terms.loss_pos.mean().item()
-            sums["nft/loss_neg"] += terms.loss_neg.mean().item()
-            sums["kl"] += terms.kl.mean().item()
-            sums["nft/policy_deviation"] += ((v_theta.detach() - v_old) ** 2).mean().item()
+            # Detached tensors, read once per micro-batch: no device sync per timestep.
+            sums["nft/loss_pos"] += terms.loss_pos.detach().mean()
+            sums["nft/loss_neg"] += terms.loss_neg.detach().mean()
+            sums["kl"] += terms.kl.detach().mean()
+            sums["nft/policy_deviation"] += ((v_theta.detach() - v_old) ** 2).mean()
         for key, value in sums.items():
-            self._metrics[key].append(value / num_train)
+            self._metrics[key].append(value.item() / num_train)
         self._metrics["nft/r_mean"].append(r.mean().item())
         self._metrics["nft/r_clamped_frac"].append(((r <= 0) | (r >= 1)).float().mean().item())
         if engine is not None and inputs["last_micro_batch"]:
