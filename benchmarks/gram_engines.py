@@ -25,10 +25,12 @@ from peft import LoraConfig
 
 try:
     from marble_trl.balance.gram import make_gradient_engine
+    from marble_trl.models import predict_velocity
     from marble_trl.nft import nft_loss_terms
 except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from marble_trl.balance.gram import make_gradient_engine
+    from marble_trl.models import predict_velocity
     from marble_trl.nft import nft_loss_terms
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
@@ -81,13 +83,7 @@ def build(args: argparse.Namespace) -> tuple[SD3Transformer2DModel, dict[str, to
 
 
 def forward_terms(model: SD3Transformer2DModel, batch: dict[str, torch.Tensor], kl: bool):
-    v = model(
-        hidden_states=batch["x_t"],
-        timestep=batch["t"] * 1000,
-        encoder_hidden_states=batch["enc"],
-        pooled_projections=batch["pooled"],
-        return_dict=False,
-    )[0]
+    v = predict_velocity(model, batch["x_t"], batch["t"], batch["enc"], batch["pooled"])
     v_ref = batch["v_ref"] if kl else None
     return nft_loss_terms(v, batch["v_old"], batch["x_t"], batch["x0"], batch["t"], 1.0, v_ref=v_ref)
 

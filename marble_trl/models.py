@@ -19,6 +19,23 @@ TINY_MODEL_NAME = "tiny"
 _TINY_CHARS = string.ascii_lowercase + string.digits + string.punctuation
 
 
+def predict_velocity(
+    transformer: torch.nn.Module,
+    x_t: torch.Tensor,
+    sigma: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    pooled: torch.Tensor,
+) -> torch.Tensor:
+    """The SD3 transformer's velocity ``v = eps - x0`` at flow time ``sigma`` (diffusers: ``timestep = 1000 sigma``)."""
+    return transformer(
+        hidden_states=x_t,
+        timestep=sigma * 1000.0,
+        encoder_hidden_states=prompt_embeds,
+        pooled_projections=pooled,
+        return_dict=False,
+    )[0]
+
+
 def _tiny_clip_tokenizer(max_length: int = 77):
     """A CLIP tokenizer over single characters (no merges): every prompt tokenizes, nothing is downloaded."""
     from transformers import CLIPTokenizer

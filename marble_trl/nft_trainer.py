@@ -54,7 +54,7 @@ from .lora import (
     use_old_policy,
     use_reference,
 )
-from .models import load_sd3_pipeline
+from .models import load_sd3_pipeline, predict_velocity
 from .nft import add_noise, advantage_to_r, nft_loss, nft_loss_terms, old_policy_decay, param_ema_decay
 from .nft_config import MarbleDiffusionNFTConfig
 from .rewards import RewardFunc, resolve_reward_funcs, reward_name, score_rewards
@@ -409,15 +409,6 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         self._metrics["frac_reward_zero_std"].append(group_std_is_zero(weighted, g).float().mean().item())
 
     # ------------------------------------------------------------------ the NFT loss
-    def _velocity(self, module: torch.nn.Module, x_t, timestep, inputs) -> torch.Tensor:
-        return module(
-            hidden_states=x_t,
-            timestep=timestep,
-            encoder_hidden_states=inputs["prompt_embeds"],
-            pooled_projections=inputs["pooled"],
-            return_dict=False,
-        )[0]
-
     def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
         """The NFT loss of one micro-batch, summed over its training timesteps (each a forward/backward)."""
         args = self.args
@@ -439,14 +430,15 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             t = self.train_sigmas[timestep_index[:, j]].to(device)
             noise = torch.randn(x0.shape, generator=noise_gen).to(device=device, dtype=x0.dtype)
             x_t = add_noise(x0, noise, t)
-            timestep = t * 1000.0
             with torch.no_grad(), self._autocast():
                 with use_old_policy(transformer):
-                    v_old = self._velocity(transformer, x_t, timestep, inputs).float()
+                    v_old = predict_velocity(transformer, x_t, t, inputs["prompt_embeds"], inputs["pooled"]).float()
                 v_ref = None
                 if args.beta > 0:
                     with use_reference(transformer):
-                        v_ref = self._velocity(transformer, x_t, timestep, inputs).float()
+                        v_ref = predict_velocity(
+                            transformer, x_t, t, inputs["prompt_embeds"], inputs["pooled"]
+                        ).float()
             if engine is not None:
                 # Forward through the unwrapped module: the engine back-propagates itself (DDP is bypassed and the
                 # step's gradients are all-reduced by hand in _finish_engine_step).
@@ -456,7 +448,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                 context = contextlib.nullcontext() if j == num_train - 1 else self.accelerator.no_sync(model)
             with context:
                 with self._autocast():
-                    v_theta = self._velocity(module, x_t, timestep, inputs).float()
+                    v_theta = predict_velocity(module, x_t, t, inputs["prompt_embeds"], inputs["pooled"]).float()
                 terms = nft_loss_terms(v_theta, v_old, x_t, x0, t, args.nft_beta, v_ref)
                 loss = nft_loss(terms, r, args.nft_beta, args.adv_clip_max, args.beta)
                 if engine is None:

@@ -18,6 +18,7 @@ from marble_trl.balance.gram import (
     make_gradient_engine,
     unflatten,
 )
+from marble_trl.models import predict_velocity
 from marble_trl.nft import nft_loss_terms
 
 ENGINES = ["reference", "two_stream"]
@@ -81,13 +82,7 @@ def make_batch(seed: int, n: int = B) -> dict[str, torch.Tensor]:
 
 
 def forward_terms(model: nn.Module, batch: dict[str, torch.Tensor]):
-    v = model(
-        hidden_states=batch["x_t"],
-        timestep=batch["t"] * 1000,
-        encoder_hidden_states=batch["enc"],
-        pooled_projections=batch["pooled"],
-        return_dict=False,
-    )[0]
+    v = predict_velocity(model, batch["x_t"], batch["t"], batch["enc"], batch["pooled"])
     return nft_loss_terms(v, batch["v_old"], batch["x_t"], batch["x0"], batch["t"], NFT_BETA, v_ref=batch["v_ref"])
 
 
