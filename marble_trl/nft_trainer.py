@@ -199,9 +199,10 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
     @staticmethod
     def _resolve_aggregation(requested: str, num_rewards: int) -> str:
-        """'auto' is MARBLE with several rewards; with one reward every aggregation is plain DiffusionNFT."""
+        """'auto' is MARBLE with several rewards; with one reward every aggregation is plain DiffusionNFT (the
+        reward's weight, normalised away, does not scale the advantage)."""
         if num_rewards == 1:
-            return "single"
+            return "sum_then_normalize"
         return "marble" if requested == "auto" else requested
 
     def _send_telemetry(self) -> None:

@@ -225,3 +225,21 @@ def test_extra_columns_reach_rewards(tmp_path):
     trainer.train()
     expected = {"p0": "x", "p1": "y", "p2": "z"}
     assert seen["pairs"] and all(expected[p] == t for p, t in seen["pairs"])
+
+
+def test_single_reward_weight_does_not_scale_the_advantage(tmp_path):
+    ds = load_prompt_dataset()
+    advantages = []
+    for weights in (None, [3.0]):
+        args = tiny_args(tmp_path, max_steps=1, reward_weights=weights, multi_objective_aggregation="marble")
+        trainer = MarbleDiffusionNFTTrainer("tiny", brightness, args=args, train_dataset=ds)
+        assert trainer.balancer is None  # one reward: plain DiffusionNFT
+        micro = trainer.get_batch_samples(
+            iter(trainer.get_train_dataloader()), args.gradient_accumulation_steps, None
+        )[0]
+        advantages.append(torch.cat([mb["advantages"] for mb in micro]))
+    assert advantages[0].abs().max() > 0.5
+    # Equal up to the 1e-4 std epsilon (brightness std here is ~1e-3); a weight that scaled A would give ratio 3.
+    ratio = advantages[1].norm() / advantages[0].norm()
+    assert 0.9 < ratio < 1.1, ratio
+    assert torch.equal(advantages[1].sign(), advantages[0].sign())
