@@ -285,8 +285,11 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         rollout_time = time.perf_counter() - start
 
         start = time.perf_counter()
-        rewards_local = score_rewards(self.reward_funcs, prompts, images_all, columns, self.reward_names)
+        timings: dict[str, float] = {}
+        rewards_local = score_rewards(self.reward_funcs, prompts, images_all, columns, self.reward_names, timings)
         reward_time = time.perf_counter() - start
+        for name, seconds in timings.items():
+            self._metrics[f"rewards/{name}/time"].append(seconds)
 
         rewards_global, local_positions = self._gather_rewards(rewards_local, prompts, micro)
         adv = collate_advantages(

@@ -37,10 +37,17 @@ def _run(out: Path, nproc: int, per_device: int, grad_accum: int, steps: int, ag
 
 
 @pytest.mark.slow
-def test_two_processes_match_each_other_and_one_process(tmp_path):
+@pytest.mark.parametrize(
+    "per_device, grad_accum",
+    [
+        (4, 1),  # each group of 4 sits on one process
+        (2, 2),  # each group of 4 is split over the two processes (normalised over the whole group after gather)
+    ],
+)
+def test_two_processes_match_each_other_and_one_process(tmp_path, per_device, grad_accum):
     steps = 3  # refreshes at steps 0 and 2, an amortised step between
-    two = _run(tmp_path / "two", nproc=2, per_device=4, grad_accum=1, steps=steps, aggregation="marble")
-    one = _run(tmp_path / "one", nproc=1, per_device=4, grad_accum=2, steps=steps, aggregation="marble")
+    two = _run(tmp_path / "two", 2, per_device, grad_accum, steps, "marble")
+    one = _run(tmp_path / "one", 1, per_device, 2 * grad_accum, steps, "marble")
     assert two[0]["world"] == 2 and one[0]["world"] == 1
     for name, p0 in two[0]["lora"].items():
         assert torch.equal(p0, two[1]["lora"][name]), f"ranks disagree on {name}"

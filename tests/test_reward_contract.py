@@ -205,3 +205,19 @@ def test_pixel_rewards() -> None:
     torch.testing.assert_close(dark, 1 - bright)
     assert sat.tolist() == pytest.approx([0.0, 0.0, 1.0])
     assert con.tolist() == pytest.approx([0.0, 0.0, 0.0])
+
+
+def test_score_rewards_reports_time_per_reward():
+    import time as _time
+
+    def slow(prompts, images, **_):
+        _time.sleep(0.05)
+        return [1.0] * len(prompts)
+
+    def fast(prompts, images, **_):
+        return [0.0] * len(prompts)
+
+    timings: dict[str, float] = {}
+    score_rewards([slow, fast], ["a", "b"], torch.zeros(2, 3, 4, 4), timings=timings)
+    assert set(timings) == {"slow", "fast"}
+    assert timings["slow"] >= 0.05 > timings["fast"] >= 0.0

@@ -14,6 +14,7 @@ The name used in logs is the callable's ``__name__`` (built-ins set it), as in T
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
@@ -39,8 +40,11 @@ def score_rewards(
     images: torch.Tensor,
     columns: dict[str, list[Any]] | None = None,
     names: Sequence[str] | None = None,
+    timings: dict[str, float] | None = None,
 ) -> torch.Tensor:
     """Call every reward and return a ``[K, B]`` float32 tensor, NaN where a reward does not apply.
+
+    If ``timings`` is given, it receives each reward's scoring time in seconds, keyed by name.
 
     Raises :class:`RewardError` naming the reward (and the prompt, when one sample is at fault) if a reward raises,
     returns the wrong number of values, a non-numeric value, or an infinite one.
@@ -50,12 +54,15 @@ def score_rewards(
     batch = len(prompts)
     out = torch.full((len(reward_funcs), batch), float("nan"), dtype=torch.float32)
     for k, (fn, name) in enumerate(zip(reward_funcs, names)):
+        start = time.perf_counter()
         try:
             values = fn(prompts=prompts, images=images, **columns)
         except Exception as err:  # re-raised with the reward's name: the user must know which one broke
             raise RewardError(
                 f"Reward {name!r} raised {type(err).__name__}: {err} (batch of {batch} prompts, first: {prompts[0]!r})."
             ) from err
+        if timings is not None:
+            timings[name] = time.perf_counter() - start
         try:
             values = list(values)
         except TypeError as err:
