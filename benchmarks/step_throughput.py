@@ -1,0 +1,148 @@
+"""Whole-step throughput and peak memory of MARBLE against the weighted-sum baseline (MARBLE paper, Table 2).
+
+Each configuration trains the same model on the same prompts with K rewards in its own subprocess (so peak memory is
+per configuration); configurations run interleaved round-robin, and each ratio is the median over rounds of
+(baseline step time / configuration step time) within that round, so a busy machine slows a whole round alike.
+Step time = wall time between consecutive optimizer-step ends (rollouts, rewards, NFT loss, balancer, update),
+measured after ``--warmup`` steps over a window that is a multiple of 10 steps (so N=10 sees its share of refreshes).
+
+    python benchmarks/step_throughput.py                        # tiny SD3.5 on CPU, K=5, 3 rounds
+    python benchmarks/step_throughput.py --model /path/to/sd3.5-medium --bf16 --resolution 512 --batch 8 \
+        --num-generations 24 --prompts-per-step 4 --sample-steps 10 --lora-r 32     # on a GPU
+
+Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA, else the process's peak RSS (``ru_maxrss``), which on CPU
+includes the Python interpreter and libraries (a ratio close to 1 then understates a real difference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = {
+    "weighted_sum": {"multi_objective_aggregation": "sum_then_normalize"},
+    "marble_n10": {"multi_objective_aggregation": "marble", "marble_refresh_interval": 10},
+    "marble_n1": {"multi_objective_aggregation": "marble", "marble_refresh_interval": 1},
+}
+REWARDS = ["brightness", "contrast", "saturation", "jpeg_compressibility", "darkness"]
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    from transformers import TrainerCallback
+
+    from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
+    from marble_trl.data import load_prompt_dataset
+    from marble_trl.models import build_tiny_sd3_pipeline
+
+    torch.set_num_threads(args.threads)
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            stamps.append(time.perf_counter())
+
+    model = (
+        build_tiny_sd3_pipeline(seed=0, num_layers=args.layers, latent_size=args.latent_size)
+        if args.model == "tiny"
+        else args.model
+    )
+    config = MarbleDiffusionNFTConfig(
+        output_dir=f"/tmp/marble-bench-{args.worker}",
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=10,
+        max_steps=args.warmup + args.steps,
+        per_device_train_batch_size=args.batch,
+        num_generations=args.num_generations,
+        prompts_per_step=args.prompts_per_step,
+        resolution=args.resolution or 2 * args.latent_size,
+        num_sample_steps=args.sample_steps,
+        sample_scheduler="euler",
+        max_sequence_length=8 if args.model == "tiny" else 256,
+        lora_r=args.lora_r,
+        lora_alpha=2 * args.lora_r,
+        use_cpu=args.model == "tiny" and not torch.cuda.is_available(),
+        seed=0,
+        bf16=args.bf16,
+        **CONFIGS[args.worker],
+    )
+    trainer = MarbleDiffusionNFTTrainer(
+        model, REWARDS[: args.num_rewards], args=config, train_dataset=load_prompt_dataset(), callbacks=[Stamp()]
+    )
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    window = stamps[args.warmup - 1 :]
+    step_time = (window[-1] - window[0]) / (len(window) - 1)
+    if torch.cuda.is_available():
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        unit = "GiB (CUDA allocated)"
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        unit = "GiB (peak RSS)"
+    refreshes = trainer.balancer.num_refreshes if trainer.balancer is not None else 0
+    print(
+        json.dumps({"config": args.worker, "step_time": step_time, "peak": peak, "unit": unit, "refreshes": refreshes})
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", choices=list(CONFIGS), help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="tiny", help="'tiny' or a diffusers SD3 folder / Hub id")
+    parser.add_argument("--layers", type=int, default=4, help="tiny model: transformer layers")
+    parser.add_argument("--latent-size", type=int, default=16, help="tiny model: latent side (image = 2x)")
+    parser.add_argument("--resolution", type=int, default=0, help="image side (0: 2 x latent-size for tiny)")
+    parser.add_argument("--num-rewards", type=int, default=5, choices=range(2, len(REWARDS) + 1))
+    parser.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size")
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--prompts-per-step", type=int, default=2)
+    parser.add_argument("--sample-steps", type=int, default=4)
+    parser.add_argument("--lora-r", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=10, help="optimizer steps before the timed window")
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps (a multiple of 10)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU)")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.steps % 10:
+        parser.error("--steps must be a multiple of 10 so that N=10 sees its share of refreshes")
+
+    results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    for r in range(args.rounds):
+        for name in CONFIGS:
+            cmd = [sys.executable, __file__, "--worker", name, *sys.argv[1:]]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if out.returncode:
+                sys.exit(f"{name} failed:\n{out.stderr[-3000:]}")
+            line = next(ln for ln in out.stdout.splitlines()[::-1] if ln.startswith("{"))
+            results[name].append(json.loads(line))
+            print(f"round {r + 1}/{args.rounds} {name}: {results[name][-1]}", flush=True)
+
+    base = results["weighted_sum"]
+    print(
+        f"\nK={args.num_rewards} rewards, {args.rounds} rounds, timed steps {args.steps} after {args.warmup} warm-up"
+    )
+    print(f"{'config':>14} | step time (median) | throughput vs weighted sum | peak memory vs weighted sum")
+    print("-" * 92)
+    for name, runs in results.items():
+        speed = statistics.median(b["step_time"] / x["step_time"] for b, x in zip(base, runs))
+        mem = statistics.median(x["peak"] / b["peak"] for b, x in zip(base, runs))
+        step = statistics.median(x["step_time"] for x in runs)
+        print(
+            f"{name:>14} | {step * 1000:14.1f} ms | {speed:25.3f}x | {mem:.3f}x ({runs[0]['peak']:.2f} {runs[0]['unit']})"
+        )
+
+
+if __name__ == "__main__":
+    main()
