@@ -1,4 +1,4 @@
-"""Weight-based preference rewards: CLIPScore, PickScore, LAION aesthetic, HPSv2.1 and ImageReward.
+"""Weight-based preference rewards: CLIPScore, PickScore, LAION aesthetic and HPSv2.1 (ImageReward: imagereward.py).
 
 Common behaviour (see docs/rewards.md):
 
@@ -11,7 +11,7 @@ Common behaviour (see docs/rewards.md):
   checkpoint's image processor (resize, centre crop, normalise): no PIL or uint8 round trip.
 
 CLIP, PickScore, aesthetic and HPSv2.1 run on ``transformers``' ``CLIPModel`` (HPSv2.1's open_clip checkpoint is
-converted on load, so ``open_clip`` is not needed); ImageReward needs the ``image-reward`` package.
+converted on load, so ``open_clip`` is not needed). ImageReward (``imagereward.py``) shares the base class.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._lazy import require
 from .registry import register_reward
 
 logger = logging.getLogger(__name__)
@@ -486,60 +485,3 @@ class HPSv2Score(ModelReward):
         )
         text = _pooled(self.model.get_text_features(**tokens.to(self.device))).float()
         return (F.normalize(image, dim=-1) * F.normalize(text, dim=-1)).sum(-1)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# ImageReward (BLIP), through the image-reward package
-
-_IMAGEREWARD_HINT = (
-    "pip install image-reward. Note: image-reward 1.5 pins timm==0.6.13 and fairscale, needs torchvision, downloads "
-    "bert-base-uncased's tokenizer from the Hub, and imports helpers that transformers 5 removed "
-    "(transformers.modeling_utils.apply_chunking_to_forward), so it does not import next to this package's "
-    "transformers>=5. Serve ImageReward from its own environment and score it with the 'http_reward' reward instead "
-    "(see docs/rewards.md)."
-)
-
-
-@register_reward("imagereward", factory=True)
-class ImageRewardScore(ModelReward):
-    """ImageReward v1.0 (BLIP ViT-L + MLP, normalised by the package's mean/std; roughly -2..2).
-
-    Options: ``model_name_or_path`` (``"ImageReward-v1.0"`` or a local ``ImageReward.pt``), ``med_config`` (local
-    ``med_config.json``; downloaded when ``None``), ``download_root``, plus device/dtype/batch. Loading goes through
-    ``ImageReward.load``; scoring through the model's batched ``score_gard`` on tensors preprocessed here (resize 224
-    bicubic, centre crop, CLIP normalisation: the package's ``_transform(224)``).
-    """
-
-    reward_name = "imagereward"
-
-    def __init__(
-        self,
-        model_name_or_path: str = "ImageReward-v1.0",
-        med_config: str | None = None,
-        download_root: str | None = None,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "float32",
-        batch_size: int = 32,
-    ) -> None:
-        super().__init__(device, dtype, batch_size)
-        self.model_name_or_path = model_name_or_path
-        self.med_config = med_config
-        self.download_root = download_root
-        self.transform = ImageTransform(224, (224, 224), OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
-
-    def _load(self) -> None:
-        rm = require("ImageReward", reward="imagereward", hint=_IMAGEREWARD_HINT)
-        model = rm.load(
-            self.model_name_or_path,
-            device=str(self.device),
-            download_root=self.download_root,
-            med_config=self.med_config,
-        )
-        self.model = self._freeze(model)
-
-    def _score(self, prompts: list[str], pixels: torch.Tensor) -> torch.Tensor:
-        tokens = self.model.blip.tokenizer(
-            prompts, padding="max_length", truncation=True, max_length=35, return_tensors="pt"
-        ).to(self.device)
-        pixel_values = self.transform(pixels).to(self.dtype)
-        return self.model.score_gard(tokens.input_ids, tokens.attention_mask, pixel_values).reshape(-1)

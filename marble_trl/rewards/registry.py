@@ -41,7 +41,7 @@ def _import_builtins() -> None:
     # Importing the modules registers their rewards; heavy dependencies inside them are imported lazily.
     from . import jpeg, simple  # noqa: F401
 
-    for optional in ("ocr", "clip_family", "http"):
+    for optional in ("ocr", "clip_family", "imagereward", "http"):
         try:
             importlib.import_module(f"{__package__}.{optional}")
         except ModuleNotFoundError as err:
