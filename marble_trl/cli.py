@@ -1,7 +1,11 @@
 """The ``marble-trl`` command.
 
-``marble-trl train --config recipes/tiny-cpu.yaml [--field value ...]``: YAML plus command-line overrides, parsed by
-TRL's ``TrlParser`` (so an ``env:`` block in the YAML sets environment variables, as with ``trl``).
+- ``marble-trl train --config recipes/tiny-cpu.yaml [--field value ...]``: YAML plus command-line overrides, parsed by
+  TRL's ``TrlParser`` (so an ``env:`` block in the YAML sets environment variables, as with ``trl``);
+- ``marble-trl export --checkpoint DIR --output DIR [--ema] [--format diffusers|peft]``: a checkpoint as a publishable
+  LoRA folder with a model card (:mod:`marble_trl.export`), optionally pushed to the Hub;
+- ``marble-trl generate --model tiny|PATH --lora DIR --prompts ... --output DIR``: images from a base model plus a
+  LoRA, loaded with diffusers' ``load_lora_weights``.
 """
 
 from __future__ import annotations
@@ -99,9 +103,12 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
         import torch
 
         before = torch.cat([trainer.generate(grid_prompts, seed=s, use_lora=False) for s in seeds])
-    result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    result = trainer.train(resume_from_checkpoint=_resume_arg(training_args.resume_from_checkpoint))
     trainer.save_model(str(out))
     summary = {"global_step": result.global_step, "train_loss": result.training_loss}
+    if trainer.stopped_by_signal:
+        summary["stopped_by"] = trainer.stopped_by_signal
+        before = None  # no "after" grid: exit quickly (a scheduler's grace period is short)
     if trainer.is_world_process_zero():
         with open(out / "metrics.jsonl", "w") as f:
             for entry in trainer.state.log_history:
@@ -114,14 +121,106 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
             save_before_after(before, after, len(grid_prompts), out / "samples_before_after.png", scale=scale)
         summary["wall_time_s"] = round(time.perf_counter() - start, 1)
         (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if trainer.stopped_by_signal:
+            print(
+                f"[marble-trl] stopped by {trainer.stopped_by_signal} at step {result.global_step}; checkpoint "
+                f"{out / f'checkpoint-{result.global_step}'}; resume with --resume_from_checkpoint true"
+            )
         print(f"[marble-trl] done: {summary} -> {out}")
+    if training_args.push_to_hub and not trainer.stopped_by_signal:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
     return summary
+
+
+def _resume_arg(value: str | None) -> str | bool | None:
+    """``--resume_from_checkpoint true`` means the last checkpoint of ``output_dir`` (Trainer's ``True``)."""
+    if value is not None and str(value).lower() in ("true", "last"):
+        return True
+    return value
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="marble-trl export", description="A checkpoint -> a publishable LoRA folder.")
+    p.add_argument("--checkpoint", required=True, help="A checkpoint-N folder of a marble_trl run.")
+    p.add_argument("--output", required=True, help="Folder to write (LoRA, README.md model card, marble_trl.json).")
+    p.add_argument("--ema", action="store_true", help="Export the parameter EMA instead of the trained weights.")
+    p.add_argument("--format", choices=["diffusers", "peft"], default="diffusers", help="LoRA file format.")
+    p.add_argument("--base_model", help="Base model id for the card (default: the run's model_name_or_path).")
+    p.add_argument("--sample_prompts", nargs="*", default=[], help="Render these prompts into samples/ for the card.")
+    p.add_argument("--model", help="Base model to render samples with (default: --base_model / the run's model).")
+    p.add_argument("--tiny_seed", type=int, default=0, help="Seed of the tiny model (--model tiny).")
+    p.add_argument("--license", help="License for the card's metadata.")
+    p.add_argument("--push_to_hub", metavar="REPO_ID", help="Upload the folder to this Hub repo (created if needed).")
+    p.add_argument("--private", action="store_true", help="Create the Hub repo private.")
+    p.add_argument("--token", help="Hub token (default: HF_TOKEN / the saved login).")
+    p.add_argument("--overwrite", action="store_true", help="Write into a non-empty --output.")
+    return p
+
+
+def _generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="marble-trl generate", description="Images from a base model plus a LoRA.")
+    p.add_argument("--model", default="tiny", help="'tiny', a local diffusers SD3/SD3.5 folder or a Hub id.")
+    p.add_argument("--lora", help="A diffusers-format LoRA folder (export output, output_dir, checkpoint-N).")
+    p.add_argument("--prompts", nargs="+", required=True, help="One image per prompt.")
+    p.add_argument("--output", required=True, help="Folder for 000-<prompt>.png ... and prompts.json.")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the one generator used for the whole batch.")
+    p.add_argument("--steps", type=int, help="Sampler steps (default: the LoRA's marble_trl.json, else 28).")
+    p.add_argument("--guidance_scale", type=float, help="CFG scale (default: the training setting, else 1.0).")
+    p.add_argument("--resolution", type=int, help="Image size (default: the training setting, else the model's).")
+    p.add_argument("--scheduler", help="euler, heun, dpm2, pipeline or a diffusers scheduler class name.")
+    p.add_argument("--max_sequence_length", type=int, help="T5 prompt length (default: the training setting).")
+    p.add_argument("--weight_name", help="LoRA file inside --lora (e.g. param_ema.safetensors in a checkpoint).")
+    p.add_argument("--tiny_seed", type=int, default=0, help="Seed of the tiny model (--model tiny).")
+    p.add_argument("--torch_dtype", choices=DTYPES, default="auto", help="'auto': bf16 on CUDA, else float32.")
+    p.add_argument("--device", help="Default: cuda if available, else cpu.")
+    return p
+
+
+def export_command(argv: list[str]) -> dict:
+    from .export import export_checkpoint
+
+    a = _export_parser().parse_args(argv)
+    out = export_checkpoint(
+        a.checkpoint, a.output, ema=a.ema, fmt=a.format, base_model=a.base_model, sample_prompts=a.sample_prompts,
+        model=a.model, tiny_seed=a.tiny_seed, repo_id=a.push_to_hub, license=a.license, overwrite=a.overwrite,
+    )  # fmt: skip
+    result = {"output": str(out)}
+    print(f"[marble-trl] exported {a.checkpoint} ({'EMA' if a.ema else 'raw'} weights, {a.format}) -> {out}")
+    if a.push_to_hub:
+        from .hub import push_folder
+
+        commit = push_folder(out, a.push_to_hub, token=a.token, private=a.private or None)
+        result["commit_url"] = commit.commit_url
+        print(f"[marble-trl] pushed to {a.push_to_hub}: {commit.commit_url}")
+    return result
+
+
+def generate_command(argv: list[str]) -> list[Path]:
+    import torch
+
+    from .export import generate_to_folder
+
+    a = _generate_parser().parse_args(argv)
+    dtype = None if a.torch_dtype == "auto" else getattr(torch, a.torch_dtype)
+    paths = generate_to_folder(
+        a.model, a.prompts, a.output, lora=a.lora, seed=a.seed, num_inference_steps=a.steps,
+        guidance_scale=a.guidance_scale, resolution=a.resolution, scheduler=a.scheduler,
+        max_sequence_length=a.max_sequence_length, weight_name=a.weight_name, tiny_seed=a.tiny_seed,
+        torch_dtype=dtype, device=a.device,
+    )  # fmt: skip
+    print(f"[marble-trl] wrote {len(paths)} images to {a.output}")
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     top = argparse.ArgumentParser(prog="marble-trl", description="Multi-reward RL for text-to-image diffusion.")
-    top.add_argument("command", choices=["train"], help="train: run DiffusionNFT / MARBLE training from a recipe.")
+    top.add_argument(
+        "command",
+        choices=["train", "export", "generate"],
+        help="train: DiffusionNFT / MARBLE training from a recipe; export: a checkpoint -> a publishable LoRA folder "
+        "(model card, optional Hub push); generate: images from a base model plus a LoRA.",
+    )
     if not argv or argv[0] in ("-h", "--help"):
         top.print_help()
         return 0
@@ -132,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
         parser = TrlParser((MarbleScriptArguments, MarbleDiffusionNFTConfig), prog="marble-trl train")
         script_args, training_args = parser.parse_args_and_config(args=argv[1:])
         train(script_args, training_args)
+    elif ns.command == "export":
+        export_command(argv[1:])
+    else:
+        generate_command(argv[1:])
     return 0
 
 

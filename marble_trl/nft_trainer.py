@@ -20,6 +20,10 @@ The ``transformers.Trainer`` hooks overridden, and why:
 - ``_get_train_sampler``: whole groups, whole steps (:class:`~marble_trl.data.GroupSampler`);
 - ``log``: adds the averaged rollout/reward/NFT metrics;
 - ``_save``: writes the LoRA in diffusers format instead of the whole transformer;
+- ``_save_checkpoint`` / ``_load_from_checkpoint`` / ``train``: atomic checkpoints with the old-policy adapter, the
+  parameter EMA and the MARBLE state, exact resume, a checkpoint on SIGTERM/SIGINT (:mod:`marble_trl.checkpoint`);
+- ``create_model_card`` / ``push_to_hub`` / ``init_hf_repo`` / ``_push_from_checkpoint``: a diffusers LoRA card and
+  Hub uploads (:mod:`marble_trl.hub`);
 - ``_send_telemetry``: TRL's reads ``model.config.model_type``, which diffusers models lack.
 
 Deviations from the reference code: the training timesteps are the Euler sigma grid of the pipeline's shift with
@@ -44,6 +48,13 @@ from transformers import TrainerCallback, set_seed
 from ._trl import BaseTrainer
 from .advantages import collate_advantages, group_std, group_std_is_zero
 from .balance import MarbleBalancer, cosine_stats, make_gradient_engine, unflatten, update_cosines
+from .checkpoint import (
+    SamplerEpochCallback,
+    SaveOnSignalCallback,
+    load_training_state,
+    save_checkpoint_atomically,
+    training_session,
+)
 from .data import GroupSampler, check_prompt_dataset
 from .lora import (
     TRAIN_ADAPTER,
@@ -118,6 +129,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         set_seed(args.seed)
 
         self.pipeline = model if hasattr(model, "transformer") else load_sd3_pipeline(model)
+        self.model_name_or_path = None if hasattr(model, "transformer") else str(model)  # the card's base model
         self.pipeline.set_progress_bar_config(disable=True)
         for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
             component = getattr(self.pipeline, name, None)
@@ -187,6 +199,9 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             )
         self._gradient_engine = None
         self.add_callback(_AfterOptimizerStep(self))
+        self._checkpoint_staging_root: str | None = None
+        self.add_callback(SaveOnSignalCallback(self))
+        self.add_callback(SamplerEpochCallback())
 
     # ------------------------------------------------------------------ setup helpers
     def _check_resolution(self, args: MarbleDiffusionNFTConfig) -> None:
@@ -587,10 +602,60 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             transformer_lora_adapter_metadata=self.peft_config.to_dict(),
         )
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        from .hub import card_info_from_trainer, write_export_config
 
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None) -> None:
-        # TRL's card is a language-model card, wrong for a diffusers LoRA: write none until a LoRA card exists.
-        return
+        # marble_trl.json: base model and sampler settings, the defaults of `marble-trl generate --lora <folder>`.
+        write_export_config(output_dir, card_info_from_trainer(self))
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None, **card_fields) -> None:
+        """Write a diffusers LoRA model card (README.md) and ``marble_trl.json`` to ``output_dir`` (see
+        :mod:`marble_trl.hub`); TRL's card is a language-model card."""
+        from .hub import write_trainer_card
+
+        tags = [tags] if isinstance(tags, str) else tags
+        write_trainer_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags, **card_fields)
+
+    # ------------------------------------------------------------------ checkpoints and the Hub
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``transformers.Trainer.train``; SIGTERM / SIGINT write a checkpoint at the next step end and stop."""
+        with training_session(self, resume_from_checkpoint):
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        save_checkpoint_atomically(self, super()._save_checkpoint, model, trial)
+
+    def _get_output_dir(self, trial) -> str:
+        # While a checkpoint is being written, the Trainer writes under the staging folder (see _save_checkpoint).
+        return getattr(self, "_checkpoint_staging_root", None) or super()._get_output_dir(trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        load_training_state(self, resume_from_checkpoint)
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        from .hub import init_repo
+
+        init_repo(self, token=token, private=private)
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs,
+    ):
+        """Save the LoRA to ``output_dir`` (``ema=True``: the parameter EMA), render ``num_samples`` sample images
+        (or ``sample_prompts``), write the model card and upload ``output_dir`` without checkpoints."""
+        from .hub import push_trainer
+
+        return push_trainer(self, commit_message, blocking, token, revision, private, **kwargs)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if getattr(self, "_checkpoint_staging_root", None) is None:  # pushed once the checkpoint is renamed
+            from .hub import push_checkpoint
+
+            push_checkpoint(self, checkpoint_folder)
 
     @torch.no_grad()
     def generate(

@@ -10,3 +10,11 @@ def tiny_pipeline():
     from marble_trl.models import build_tiny_sd3_pipeline
 
     return build_tiny_sd3_pipeline(seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """An uninterrupted 6-step MARBLE run with checkpoints at steps 3 and 6 (see tests/marble_runs.py)."""
+    from marble_runs import run_reference
+
+    return run_reference(tmp_path_factory.mktemp("reference-run"))

@@ -1,0 +1,603 @@
+"""Model cards for marble_trl LoRAs, and publishing to the Hugging Face Hub.
+
+The card is a diffusers LoRA card (``library_name: diffusers``, ``base_model``, tags ``diffusers``, ``lora``,
+``text-to-image``, ``trl``, ``marble``) with real values from the run: the rewards with their first and final logged
+means, the MARBLE coefficient trajectory, the training configuration, sample images, a ``load_lora_weights`` usage
+snippet and the citations. It is rendered from a :class:`CardInfo`, built either from a live trainer
+(:func:`card_info_from_trainer`) or from a checkpoint folder (:func:`card_info_from_checkpoint`), so
+``trainer.push_to_hub()`` and ``marble-trl export`` write the same card.
+
+Every Hub call goes through :func:`hub_api` (``huggingface_hub.HfApi``; the endpoint is ``HF_ENDPOINT`` unless given).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .checkpoint import BALANCER_FILE, LORA_FILE, base_model_name, read_manifest
+
+if TYPE_CHECKING:
+    from .nft_trainer import MarbleDiffusionNFTTrainer
+
+CARD_TAGS = ["diffusers", "lora", "text-to-image", "trl", "marble", "diffusion-nft"]
+EXPORT_CONFIG_FILE = "marble_trl.json"  # sampling settings and provenance; read by `marble-trl generate`
+SAMPLES_DIR = "samples"
+# Never pushed: checkpoints (and interrupted saves), private files, the pickled TrainingArguments.
+PUSH_IGNORE = ["_*", "checkpoint-*", "tmp-*", "training_args.bin"]
+
+MARBLE_CITATION = """@article{marble2026,
+  title   = {{MARBLE}: Multi-Aspect Reward Balance for Diffusion {RL}},
+  journal = {arXiv preprint arXiv:2605.06507},
+  year    = {2026},
+  url     = {https://arxiv.org/abs/2605.06507}
+}"""
+DIFFUSIONNFT_CITATION = """@inproceedings{zheng2026diffusionnft,
+  title     = {{DiffusionNFT}: Online Diffusion Reinforcement with Forward Process},
+  author    = {Zheng, Kaiwen and others},
+  booktitle = {International Conference on Learning Representations (ICLR)},
+  year      = {2026},
+  url       = {https://arxiv.org/abs/2509.16117}
+}"""
+TRL_CITATION = """@software{vonwerra2020trl,
+  title   = {{TRL: Transformers Reinforcement Learning}},
+  author  = {von Werra, Leandro and Belkada, Younes and Tunstall, Lewis and Beeching, Edward and Thrush, Tristan and Lambert, Nathan and Huang, Shengyi and Rasul, Kashif and Gallouédec, Quentin},
+  license = {Apache-2.0},
+  url     = {https://github.com/huggingface/trl},
+  year    = {2020}
+}"""
+
+# Training arguments shown in the card, in this order (those present in the run's arguments).
+CARD_CONFIG_FIELDS = [
+    "learning_rate",
+    "lr_scheduler_type",
+    "max_grad_norm",
+    "num_generations",
+    "prompts_per_step",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "multi_objective_aggregation",
+    "scale_rewards",
+    "marble_rho",
+    "marble_refresh_interval",
+    "marble_uniform_final_steps",
+    "nft_beta",
+    "beta",
+    "adv_clip_max",
+    "timestep_fraction",
+    "old_policy_decay",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "sample_scheduler",
+    "num_sample_steps",
+    "guidance_scale",
+    "resolution",
+    "bf16",
+    "fp16",
+    "seed",
+]
+
+
+@dataclass
+class CardInfo:
+    """Everything the model card shows. ``log_history`` is ``trainer.state.log_history``."""
+
+    base_model: str | None
+    reward_names: list[str]
+    reward_weights: list[float]
+    aggregation: str
+    global_step: int
+    training_args: dict[str, Any]
+    log_history: list[dict[str, Any]]
+    balancer_state: dict[str, Any] | None = None
+    weights: str = "raw"  # "raw" or "ema"
+    lora_format: str = "diffusers"  # "diffusers" or "peft"
+    repo_id: str | None = None
+    samples: list[tuple[str, str]] = field(default_factory=list)  # (path relative to the card, prompt)
+    model_name: str | None = None
+    license: str | None = None
+    dataset_name: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------- building CardInfo
+def card_info_from_trainer(trainer: MarbleDiffusionNFTTrainer, **overrides) -> CardInfo:
+    info = CardInfo(
+        base_model=base_model_name(trainer),
+        reward_names=list(trainer.reward_names),
+        reward_weights=[float(w) for w in trainer.reward_weights],
+        aggregation=trainer.aggregation,
+        global_step=trainer.state.global_step,
+        training_args=json.loads(trainer.args.to_json_string()),
+        log_history=list(trainer.state.log_history),
+        balancer_state=trainer.balancer.state_dict() if trainer.balancer is not None else None,
+        repo_id=trainer.hub_model_id or trainer.args.hub_model_id,
+    )
+    return _override(info, overrides)
+
+
+def card_info_from_checkpoint(folder: str | os.PathLike, **overrides) -> CardInfo:
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    state_file = folder / "trainer_state.json"
+    log_history = json.loads(state_file.read_text(encoding="utf-8"))["log_history"] if state_file.is_file() else []
+    balancer = manifest["files"].get("balancer") or (BALANCER_FILE if (folder / BALANCER_FILE).is_file() else None)
+    info = CardInfo(
+        base_model=manifest.get("base_model"),
+        reward_names=list(manifest["reward_names"]),
+        reward_weights=list(manifest["reward_weights"]),
+        aggregation=manifest["aggregation"],
+        global_step=int(manifest["global_step"]),
+        training_args=manifest.get("training_args", {}),
+        log_history=log_history,
+        balancer_state=json.loads((folder / balancer).read_text(encoding="utf-8")) if balancer else None,
+    )
+    return _override(info, overrides)
+
+
+def _override(info: CardInfo, overrides: dict[str, Any]) -> CardInfo:
+    for key, value in overrides.items():
+        if not hasattr(info, key):
+            raise TypeError(f"Unknown model card field {key!r}.")
+        if value is not None:
+            setattr(info, key, value)
+    return info
+
+
+# ------------------------------------------------------------------------------------------------- summaries
+def _series(log_history: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [
+        (int(h.get("step", 0)), float(h[key]))
+        for h in log_history
+        if key in h and isinstance(h[key], (int, float)) and math.isfinite(h[key])
+    ]
+
+
+def reward_summary(info: CardInfo) -> list[dict[str, Any]]:
+    """Per reward: weight, first and final logged batch mean (``rewards/{name}/mean``), best, number of logs."""
+    rows = []
+    for name, weight in zip(info.reward_names, info.reward_weights):
+        series = _series(info.log_history, f"rewards/{name}/mean")
+        values = [v for _, v in series]
+        rows.append(
+            {
+                "name": name,
+                "weight": weight,
+                "first": values[0] if values else None,
+                "final": values[-1] if values else None,
+                "best": max(values) if values else None,
+                "final_step": series[-1][0] if series else None,
+                "num_logs": len(values),
+            }
+        )
+    return rows
+
+
+def coefficient_summary(info: CardInfo, max_rows: int = 8) -> dict[str, Any] | None:
+    """MARBLE's coefficients: final alpha_bar, the range of alpha* over refreshes, and a thinned trajectory."""
+    if info.aggregation != "marble":
+        return None
+    names = info.reward_names
+    k = len(names)
+    alpha_star = {n: [v for _, v in _series(info.log_history, f"marble/alpha/{n}")] for n in names}
+    bar_series = {n: _series(info.log_history, f"marble/alpha_bar/{n}") for n in names}
+    steps = [s for s, _ in bar_series[names[0]]]
+    state = info.balancer_state or {}
+    final = state.get("alpha_bar") or [bar_series[n][-1][1] if bar_series[n] else 1.0 / k for n in names]
+    trajectory = [(steps[i], [bar_series[n][i][1] for n in names]) for i in range(len(steps))]
+    if len(trajectory) > max_rows:
+        picks = sorted({round(j * (len(trajectory) - 1) / (max_rows - 1)) for j in range(max_rows)})
+        trajectory = [trajectory[i] for i in picks]
+    return {
+        "initial": [1.0 / k] * k,
+        "final": [float(a) for a in final],
+        "alpha_star_min": [min(alpha_star[n]) if alpha_star[n] else None for n in names],
+        "alpha_star_max": [max(alpha_star[n]) if alpha_star[n] else None for n in names],
+        "alpha_star_mean": [sum(alpha_star[n]) / len(alpha_star[n]) if alpha_star[n] else None for n in names],
+        "num_refreshes": int(state.get("num_refreshes", len(steps))),
+        "num_qp_fallbacks": state.get("num_qp_fallbacks"),
+        "num_clamp_violations": state.get("num_clamp_violations"),
+        "trajectory": trajectory,
+        "worst_cos": [v for _, v in _series(info.log_history, "marble/worst_cos")],
+    }
+
+
+def sampling_settings(training_args: dict[str, Any]) -> dict[str, Any]:
+    """How the run generated images (rollouts, ``trainer.generate``): the defaults of ``marble-trl generate``."""
+    return {
+        "num_inference_steps": training_args.get("num_sample_steps"),
+        "guidance_scale": training_args.get("guidance_scale", 1.0),
+        "resolution": training_args.get("resolution"),
+        "scheduler": training_args.get("sample_scheduler", "pipeline"),
+        "max_sequence_length": training_args.get("max_sequence_length"),
+    }
+
+
+def hub_base_model(name: str | None) -> str | None:
+    """``name`` if it looks like a Hub model id (``org/name``), else ``None`` (local paths, the tiny model)."""
+    if not name or name == "tiny" or name.startswith((".", "/", "~")) or Path(name).expanduser().exists():
+        return None
+    return name if re.fullmatch(r"[\w.-]+/[\w.-]+", name) else None
+
+
+# ------------------------------------------------------------------------------------------------- rendering
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(v) for v in value)
+    return str(value).replace("|", "\\|")
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _usage_snippet(info: CardInfo) -> str:
+    settings = sampling_settings(info.training_args)
+    repo = info.repo_id or "path/to/this/folder"
+    base = info.base_model or "<base model>"
+    steps = settings["num_inference_steps"] or 40
+    res = settings["resolution"]
+    size = f", height={res}, width={res}" if res else ""
+    call = f'image = pipe("a photo of a cat", num_inference_steps={steps}, guidance_scale={_fmt(settings["guidance_scale"])}{size}).images[0]'
+    if base == "tiny":
+        load = (
+            "from marble_trl import build_tiny_sd3_pipeline\n\n"
+            "pipe = build_tiny_sd3_pipeline(seed=0)  # the offline tiny model this LoRA was trained on"
+        )
+    else:
+        load = (
+            "import torch\nfrom diffusers import StableDiffusion3Pipeline\n\n"
+            f'pipe = StableDiffusion3Pipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")'
+        )
+    if info.lora_format == "peft":
+        attach = (
+            "from peft import PeftModel\n\n"
+            f'PeftModel.from_pretrained(pipe.transformer, "{repo}")  # injects the LoRA into pipe.transformer'
+        )
+    else:
+        attach = f'pipe.load_lora_weights("{repo}")'
+    return f"```python\n{load}\n{attach}\n{call}\n```"
+
+
+def render_model_card(info: CardInfo) -> str:
+    """The card (YAML front matter + Markdown) as a string."""
+    from huggingface_hub import ModelCardData
+
+    from . import __version__
+
+    hub_base = hub_base_model(info.base_model)
+    tags = list(dict.fromkeys([*CARD_TAGS, *info.tags]))
+    data = ModelCardData(
+        library_name="diffusers",
+        base_model=hub_base,
+        license=info.license,
+        tags=tags,
+        pipeline_tag="text-to-image",
+        widget=[{"text": prompt, "output": {"url": path}} for path, prompt in info.samples] or None,
+    )
+    multi = len(info.reward_names) > 1
+    method = "MARBLE on DiffusionNFT" if info.aggregation == "marble" else "DiffusionNFT"
+    title = info.model_name or (info.repo_id.split("/")[-1] if info.repo_id else f"{method} LoRA")
+    base_text = f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else f"`{info.base_model or 'unknown'}`"
+    weights = "the parameter EMA of the LoRA weights" if info.weights == "ema" else "the trained LoRA weights"
+    fmt = (
+        "diffusers format (`pytorch_lora_weights.safetensors`, with adapter metadata)"
+        if info.lora_format == "diffusers"
+        else "PEFT format (`adapter_model.safetensors` + `adapter_config.json`)"
+    )
+    parts = [
+        f"---\n{data.to_yaml()}\n---",
+        f"# {title}",
+        f"A LoRA for {base_text}, trained with marble_trl ({method}: online RL for text-to-image diffusion, a "
+        f"[TRL](https://github.com/huggingface/trl) extension) for {info.global_step} optimizer steps on "
+        f"{len(info.reward_names)} reward{'s' if multi else ''}: "
+        + ", ".join(f"`{n}`" for n in info.reward_names)
+        + f". This folder holds {weights} in {fmt}.",
+        "## Usage",
+        _usage_snippet(info),
+        "The snippet uses the sampler settings of training (rollouts were CFG-free when `guidance_scale` is 1). "
+        f"With marble_trl installed: `marble-trl generate --model {info.base_model or '<base>'} --lora <this folder> "
+        '--prompts "a photo of a cat"` reads them from `marble_trl.json`.',
+        "## Rewards",
+    ]
+    rows = [[r["name"], r["weight"], r["first"], r["final"], r["best"], r["final_step"]] for r in reward_summary(info)]
+    parts.append(
+        "Batch means of each reward over the rollouts of a logged step (`rewards/{name}/mean`), at the first and the "
+        "last logged step of training:\n\n"
+        + _table(["reward", "weight", "first", "final", "best", "final step"], rows)
+    )
+    coeffs = coefficient_summary(info)
+    if coeffs is not None:
+        k = len(info.reward_names)
+        rows = [
+            [
+                n,
+                coeffs["initial"][i],
+                coeffs["final"][i],
+                coeffs["alpha_star_min"][i],
+                coeffs["alpha_star_max"][i],
+                coeffs["alpha_star_mean"][i],
+            ]
+            for i, n in enumerate(info.reward_names)
+        ]
+        text = [
+            "## MARBLE coefficients",
+            f"The update balanced the {k} per-reward gradients with the MGDA min-norm QP, refreshed "
+            f"{coeffs['num_refreshes']} times (every {info.training_args.get('marble_refresh_interval', '?')} steps), "
+            f"with EMA rho = {info.training_args.get('marble_rho', '?')} on the coefficients (alpha_bar). "
+            f"QP fallbacks: {_fmt(coeffs['num_qp_fallbacks'])}; clamp violations: "
+            f"{_fmt(coeffs['num_clamp_violations'])}.",
+            _table(
+                ["reward", "initial alpha_bar", "final alpha_bar", "min alpha*", "max alpha*", "mean alpha*"], rows
+            ),
+        ]
+        if coeffs["trajectory"]:
+            text.append(
+                "alpha_bar after refreshes (thinned):\n\n"
+                + _table(
+                    ["step", *info.reward_names],
+                    [[step, *values] for step, values in coeffs["trajectory"]],
+                )
+            )
+        if coeffs["worst_cos"]:
+            worst = coeffs["worst_cos"]
+            text.append(
+                f"Worst per-reward cosine of the refresh updates (min_k cos(d, g_k)): min {_fmt(min(worst))}, "
+                f"mean {_fmt(sum(worst) / len(worst))} (>= 0: no reward's gradient was opposed)."
+            )
+        parts += text
+    elif multi:
+        parts += ["## Aggregation", f"The rewards were combined with `{info.aggregation}` (no MARBLE balancing)."]
+    config_rows = [[f"`{k}`", info.training_args[k]] for k in CARD_CONFIG_FIELDS if k in info.training_args]
+    config_rows.insert(0, ["optimizer steps", info.global_step])
+    parts += ["## Training configuration", _table(["setting", "value"], config_rows)]
+    if info.dataset_name:
+        parts.append(f"Prompts: `{info.dataset_name}`.")
+    if info.samples:
+        images = "\n".join(f"![{prompt}]({path})" for path, prompt in info.samples)
+        captions = "\n".join(f"{i + 1}. {prompt}" for i, (_, prompt) in enumerate(info.samples))
+        parts += [
+            "## Samples",
+            f"Generated with this LoRA ({info.weights} weights), seed 0:\n\n{images}\n\n{captions}",
+        ]
+    else:
+        parts += ["## Samples", "No sample images were rendered for this folder (see `marble-trl generate`)."]
+    parts += [
+        "## Framework",
+        f"marble_trl {__version__}: TRL's trainer base, diffusers pipelines, PEFT LoRA.",
+        "## Citations",
+        f"MARBLE (arXiv 2605.06507):\n\n```bibtex\n{MARBLE_CITATION}\n```",
+        f"DiffusionNFT (arXiv 2509.16117):\n\n```bibtex\n{DIFFUSIONNFT_CITATION}\n```",
+        f"TRL:\n\n```bibtex\n{TRL_CITATION}\n```",
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def write_model_card(info: CardInfo, folder: str | os.PathLike) -> Path:
+    path = Path(folder) / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_model_card(info), encoding="utf-8")
+    return path
+
+
+def write_export_config(folder: str | os.PathLike, info: CardInfo, source: str | None = None) -> Path:
+    """``marble_trl.json``: base model, weights, format, step and the sampling settings (``generate``'s defaults)."""
+    path = Path(folder) / EXPORT_CONFIG_FILE
+    config = {
+        "base_model": info.base_model,
+        "weights": info.weights,
+        "format": info.lora_format,
+        "global_step": info.global_step,
+        "reward_names": info.reward_names,
+        "source": source,
+        "sampling": sampling_settings(info.training_args),
+    }
+    path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def save_samples(images, prompts: list[str], folder: str | os.PathLike) -> list[tuple[str, str]]:
+    """Save ``[N, 3, H, W]`` images in ``[0, 1]`` as ``samples/000.png`` ... under ``folder``; returns
+    ``(relative path, prompt)`` pairs for the card."""
+    from .rewards.images import to_pil
+
+    out = Path(folder) / SAMPLES_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = []
+    for i, (image, prompt) in enumerate(zip(to_pil(images), prompts)):
+        image.save(out / f"{i:03d}.png")
+        pairs.append((f"{SAMPLES_DIR}/{i:03d}.png", prompt))
+    return pairs
+
+
+# ------------------------------------------------------------------------------------------------- the Hub
+def hub_api(endpoint: str | None = None, token: str | None = None):
+    """An ``HfApi`` for ``endpoint`` (default: ``HF_ENDPOINT``, else huggingface.co)."""
+    from huggingface_hub import HfApi
+
+    from . import __version__
+
+    return HfApi(endpoint=endpoint, token=token, library_name="marble_trl", library_version=__version__)
+
+
+def push_folder(
+    folder: str | os.PathLike,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool | None = None,
+    revision: str | None = None,
+    commit_message: str = "Upload LoRA trained with marble_trl",
+    endpoint: str | None = None,
+    ignore_patterns: list[str] | None = None,
+):
+    """Create ``repo_id`` if needed and upload ``folder`` (one commit). Returns the ``CommitInfo``."""
+    api = hub_api(endpoint, token)
+    url = api.create_repo(repo_id, private=private, exist_ok=True)
+    return api.upload_folder(
+        repo_id=url.repo_id,
+        folder_path=str(folder),
+        commit_message=commit_message,
+        revision=revision,
+        ignore_patterns=PUSH_IGNORE if ignore_patterns is None else ignore_patterns,
+    )
+
+
+def init_repo(trainer: MarbleDiffusionNFTTrainer, token: str | None = None, private: bool | None = None) -> None:
+    """The trainer's ``init_hf_repo``: create ``hub_model_id`` (default: the output folder's name)."""
+    if not trainer.is_world_process_zero():
+        return
+    args = trainer.args
+    repo_name = args.hub_model_id or Path(args.output_dir).absolute().name
+    token = token if token is not None else args.hub_token
+    private = private if private is not None else args.hub_private_repo
+    url = hub_api(token=token).create_repo(repo_name, private=private, exist_ok=True)
+    trainer.hub_model_id = url.repo_id
+    trainer.push_in_progress = None
+
+
+def default_sample_prompts(trainer: MarbleDiffusionNFTTrainer, n: int) -> list[str]:
+    return list(dict.fromkeys(trainer.train_dataset["prompt"]))[:n] if n > 0 else []
+
+
+def write_trainer_card(trainer: MarbleDiffusionNFTTrainer, folder: str | None = None, **overrides) -> Path | None:
+    """The trainer's ``create_model_card``: README.md (and marble_trl.json) in ``folder`` (default ``output_dir``).
+
+    Sample images already in ``<folder>/samples`` are shown unless ``samples`` is given.
+    """
+    if not trainer.is_world_process_zero():
+        return None
+    folder = Path(folder or trainer.args.output_dir)
+    if "samples" not in overrides:
+        found = sorted((folder / SAMPLES_DIR).glob("*.png")) if (folder / SAMPLES_DIR).is_dir() else []
+        prompts = _recorded_prompts(folder)
+        overrides["samples"] = [(f"{SAMPLES_DIR}/{p.name}", prompts.get(p.name, p.stem)) for p in found]
+    info = card_info_from_trainer(trainer, **overrides)
+    write_export_config(folder, info)
+    return write_model_card(info, folder)
+
+
+def _recorded_prompts(folder: Path) -> dict[str, str]:
+    path = folder / SAMPLES_DIR / "prompts.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def render_trainer_samples(
+    trainer: MarbleDiffusionNFTTrainer, folder: Path, prompts: list[str], seed: int = 0
+) -> list[tuple[str, str]]:
+    """Generate ``prompts`` with the trainer's current LoRA into ``<folder>/samples`` (replacing older samples)."""
+    shutil.rmtree(folder / SAMPLES_DIR, ignore_errors=True)
+    if not prompts:
+        return []
+    pairs = save_samples(trainer.generate(prompts, seed=seed), prompts, folder)
+    (folder / SAMPLES_DIR / "prompts.json").write_text(
+        json.dumps({Path(p).name: prompt for p, prompt in pairs}, indent=2) + "\n", encoding="utf-8"
+    )
+    return pairs
+
+
+def push_trainer(
+    trainer: MarbleDiffusionNFTTrainer,
+    commit_message: str | None = "End of training",
+    blocking: bool = True,
+    token: str | None = None,
+    revision: str | None = None,
+    private: bool | None = None,
+    *,
+    ema: bool = False,
+    num_samples: int = 4,
+    sample_prompts: list[str] | None = None,
+    **card_overrides,
+):
+    """The trainer's ``push_to_hub``: save the LoRA (raw or EMA) to ``output_dir``, render samples, write the card,
+    upload ``output_dir`` without checkpoints. Returns the ``CommitInfo`` (a ``Future`` with ``blocking=False``)."""
+    import contextlib
+
+    args = trainer.args
+    trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
+    token = token if token is not None else args.hub_token
+    if trainer.hub_model_id is None:
+        trainer.init_hf_repo(token=token, private=private)
+    if ema and trainer.param_ema is None:
+        raise ValueError("push_to_hub(ema=True) needs a trainer with param_ema=True.")
+    folder = Path(args.output_dir)
+    prompts = sample_prompts if sample_prompts is not None else default_sample_prompts(trainer, num_samples)
+    context = trainer.param_ema.swapped_in(trainer.transformer) if ema else contextlib.nullcontext()
+    with context:
+        trainer.save_model(_internal_call=True)
+        if not trainer.is_world_process_zero():
+            return None
+        samples = render_trainer_samples(trainer, folder, prompts)
+    trainer.create_model_card(samples=samples, weights="ema" if ema else "raw", **card_overrides)
+    trainer._finish_current_push()
+    return hub_api(token=token).upload_folder(
+        repo_id=trainer.hub_model_id,
+        folder_path=str(folder),
+        commit_message=commit_message or "End of training",
+        revision=revision if revision is not None else args.hub_revision,
+        run_as_future=not blocking,
+        ignore_patterns=PUSH_IGNORE,
+    )
+
+
+def push_checkpoint(trainer: MarbleDiffusionNFTTrainer, checkpoint_folder: str) -> None:
+    """The trainer's ``_push_from_checkpoint`` (``push_to_hub=True`` with saves during training): copy the
+    checkpoint's LoRA into ``output_dir``, refresh the card, upload it in the background; with ``hub_strategy``
+    ``checkpoint`` / ``all_checkpoints`` also upload the checkpoint folder (``last-checkpoint`` / its name)."""
+    from transformers.trainer_utils import HubStrategy
+    from transformers.utils.hub import PushInProgress
+
+    args = trainer.args
+    if not trainer.is_world_process_zero() or args.hub_strategy == HubStrategy.END:
+        return
+    if not args.hub_always_push and trainer.push_in_progress is not None and not trainer.push_in_progress.is_done():
+        return
+    trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
+    output_dir = Path(args.output_dir)
+    shutil.copy(Path(checkpoint_folder) / LORA_FILE, output_dir / LORA_FILE)
+    trainer.create_model_card()
+    api = hub_api(token=args.hub_token)
+    message = f"Training in progress, step {trainer.state.global_step}"
+    jobs = [
+        api.upload_folder(
+            repo_id=trainer.hub_model_id,
+            folder_path=str(output_dir),
+            commit_message=message,
+            run_as_future=True,
+            ignore_patterns=PUSH_IGNORE,
+            revision=args.hub_revision,
+        )
+    ]
+    if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+        path_in_repo = (
+            "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else Path(checkpoint_folder).name
+        )
+        jobs.append(
+            api.upload_folder(
+                repo_id=trainer.hub_model_id,
+                folder_path=checkpoint_folder,
+                path_in_repo=path_in_repo,
+                commit_message=message + ", checkpoint",
+                run_as_future=True,
+                revision=args.hub_revision,
+            )
+        )
+    if trainer.push_in_progress is None or trainer.push_in_progress.is_done():
+        trainer.push_in_progress = PushInProgress(jobs)
+    else:
+        trainer.push_in_progress.jobs.extend(jobs)
