@@ -226,10 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ns, rest = top.parse_known_args(argv[:1])
     if ns.command == "train":
+        from .launch import launch_train, split_launch_args
+
+        launch, train_argv = split_launch_args(argv[1:])
+        if launch:  # --accelerate_config / --num_processes: re-run under `accelerate launch`
+            return launch_train(launch, train_argv)
         from trl import TrlParser
 
         parser = TrlParser((MarbleScriptArguments, MarbleDiffusionNFTConfig), prog="marble-trl train")
-        script_args, training_args = parser.parse_args_and_config(args=argv[1:])
+        script_args, training_args = parser.parse_args_and_config(args=train_argv)
         train(script_args, training_args)
     elif ns.command == "export":
         export_command(argv[1:])

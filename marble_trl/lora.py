@@ -18,6 +18,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .distributed import gathered
+
 TRAIN_ADAPTER = "default"
 OLD_ADAPTER = "old"
 
@@ -82,9 +84,12 @@ def use_reference(transformer: nn.Module) -> Iterator[None]:
 def soft_update_old_policy(transformer: nn.Module, eta: float) -> None:
     """``theta_old <- eta theta_old + (1 - eta) theta`` (eta = 0 copies the trained adapter)."""
     old = lora_parameters(transformer, OLD_ADAPTER)
-    for name, param in lora_parameters(transformer, TRAIN_ADAPTER).items():
-        target = old[_old_name(name)]
-        target.mul_(eta).add_(param.detach().to(target.dtype), alpha=1.0 - eta)
+    train = lora_parameters(transformer, TRAIN_ADAPTER)
+    # ZeRO-3 may partition both adapters: gather them (on every process), write, and re-partition from rank 0.
+    with gathered([*train.values(), *old.values()], modifier_rank=0):
+        for name, param in train.items():
+            target = old[_old_name(name)]
+            target.mul_(eta).add_(param.detach().to(target.dtype), alpha=1.0 - eta)
 
 
 class LoraEMA:
@@ -95,8 +100,10 @@ class LoraEMA:
 
     @torch.no_grad()
     def update(self, transformer: nn.Module, decay: float) -> None:
-        for name, param in lora_parameters(transformer, TRAIN_ADAPTER).items():
-            self.shadow[name].mul_(decay).add_(param.detach().float(), alpha=1.0 - decay)
+        params = lora_parameters(transformer, TRAIN_ADAPTER)
+        with gathered(params.values()):  # ZeRO-3: read the full (gathered) weights, on every process
+            for name, param in params.items():
+                self.shadow[name].mul_(decay).add_(param.detach().float(), alpha=1.0 - decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.shadow)

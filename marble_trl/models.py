@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .distributed import zero3_init_disabled
+
 TINY_MODEL_NAME = "tiny"
 _TINY_CHARS = string.ascii_lowercase + string.digits + string.punctuation
 
@@ -148,6 +150,7 @@ def save_tiny_sd3_pipeline(path: str | os.PathLike, seed: int = 0, **kwargs) -> 
     return path
 
 
+@zero3_init_disabled()  # frozen components must not be partitioned by ZeRO-3 (marble_trl.distributed)
 def load_sd3_pipeline(
     name_or_path: str | os.PathLike,
     torch_dtype: torch.dtype | None = None,

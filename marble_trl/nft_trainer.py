@@ -56,6 +56,7 @@ from .checkpoint import (
     training_session,
 )
 from .data import GroupSampler, check_prompt_dataset
+from .distributed import backward, check_frozen_models_not_partitioned, disable_zero3_init, gathered
 from .lora import (
     TRAIN_ADAPTER,
     LoraEMA,
@@ -127,8 +128,10 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         check_prompt_dataset(train_dataset)
         # Seed before the LoRA is initialised (transformers.Trainer seeds only in its own __init__, after that).
         set_seed(args.seed)
+        disable_zero3_init()  # ZeRO-3: no frozen model (reward models load lazily) may be built partitioned
 
         self.pipeline = model if hasattr(model, "transformer") else load_sd3_pipeline(model)
+        check_frozen_models_not_partitioned(self.pipeline)
         self.model_name_or_path = None if hasattr(model, "transformer") else str(model)  # the card's base model
         self.pipeline.set_progress_bar_config(disable=True)
         for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
@@ -188,6 +191,10 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                 component.to(device)
         self.rollout_scheduler = make_scheduler(args.sample_scheduler, self.pipeline.scheduler)
         self.train_sigmas = training_sigmas(self.pipeline.scheduler, args.num_sample_steps)
+        if self.is_deepspeed_enabled:
+            from .distributed import configure_deepspeed
+
+            configure_deepspeed(self)
         self.param_ema = LoraEMA(transformer) if args.param_ema else None
         self.balancer = None
         if self.aggregation == "marble":
@@ -443,6 +450,14 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         noise_gen = self._generator(2, self._global_batch_index(inputs["micro_batch"]))
         engine = self._engine_for(inputs)
         r_k = advantage_to_r(inputs["per_reward_advantages"].to(device), args.adv_clip_max) if engine else None
+        deepspeed = self.is_deepspeed_enabled
+        if deepspeed and num_train != self._deepspeed_backwards_per_micro_batch:
+            raise RuntimeError(
+                f"{num_train} training timesteps in this micro-batch, {self._deepspeed_backwards_per_micro_batch} in "
+                "the DeepSpeed config's gradient accumulation: they must agree."
+            )
+        if deepspeed and engine is not None and inputs["mode"] == "cosines":
+            r_k = torch.cat([r_k, r[None]])  # the update's own (KL-free) gradient, as a last row: .grad is DeepSpeed's
         total = torch.zeros((), device=device)
         sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
         for j in range(num_train):
@@ -458,7 +473,22 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                         v_ref = predict_velocity(
                             transformer, x_t, t, inputs["prompt_embeds"], inputs["pooled"]
                         ).float()
-            if engine is not None:
+            if engine is not None and deepspeed:
+                # DeepSpeed hooks every backward through its engine's outputs (torch.autograd.grad included): the
+                # per-reward gradients get a forward of their own through the unwrapped module, which DeepSpeed never
+                # sees, and the update goes through the DeepSpeed engine below.
+                with engine.capture(transformer):
+                    with self._autocast():
+                        v_k = predict_velocity(transformer, x_t, t, inputs["prompt_embeds"], inputs["pooled"]).float()
+                    terms_k = nft_loss_terms(v_k, v_old, x_t, x0, t, args.nft_beta, v_ref)
+                    engine.accumulate(
+                        terms_k.loss_pos,
+                        terms_k.loss_neg,
+                        r_k,
+                        scale=args.adv_clip_max / args.nft_beta * scale / x0.shape[0],
+                    )
+                del v_k, terms_k
+            if engine is not None and not deepspeed:
                 # Forward through the unwrapped module: the engine back-propagates itself (DDP is bypassed and the
                 # step's gradients are all-reduced by hand in _finish_engine_step).
                 module, context = transformer, engine.capture(transformer)
@@ -470,8 +500,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                     v_theta = predict_velocity(module, x_t, t, inputs["prompt_embeds"], inputs["pooled"]).float()
                 terms = nft_loss_terms(v_theta, v_old, x_t, x0, t, args.nft_beta, v_ref)
                 loss = nft_loss(terms, r, args.nft_beta, args.adv_clip_max, args.beta)
-                if engine is None:
-                    self.accelerator.backward(loss * scale)
+                if engine is None or deepspeed:
+                    backward(self.accelerator, loss * scale, last_of_micro_batch=j == num_train - 1)
                 else:
                     if inputs["mode"] == "refresh" and args.marble_refresh_update == "gradient":
                         extra = args.beta * terms.kl.mean() * scale if args.beta > 0 else None
@@ -503,18 +533,14 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         """The per-reward gradient engine on refresh / cosine steps (built on first use), else ``None``."""
         if inputs["mode"] not in ("refresh", "cosines"):
             return None
-        if self.is_deepspeed_enabled:
-            raise NotImplementedError(
-                "MARBLE refresh steps and log_update_cosines need per-reward gradients, which are not supported under "
-                "DeepSpeed yet: use DDP or a single process, or multi_objective_aggregation='sum_then_normalize'."
-            )
         if self._gradient_engine is None:
-            self._gradient_engine = make_gradient_engine(
-                self.args.marble_gradient_engine,
-                list(self.trainable_parameters().values()),
-                len(self.reward_funcs),
-                self.transformer,
-            )
+            params = list(self.trainable_parameters().values())
+            # Under DeepSpeed the update's gradient is not in .grad: the cosine diagnostics get it as one more row.
+            extra_row = int(self.is_deepspeed_enabled and inputs["mode"] == "cosines")
+            with gathered(params):  # ZeRO-3: the engine sizes its buffers from the full (gathered) parameters
+                self._gradient_engine = make_gradient_engine(
+                    self.args.marble_gradient_engine, params, len(self.reward_funcs) + extra_row, self.transformer
+                )
         if inputs["micro_batch"] == 0:
             self._gradient_engine.reset()
         return self._gradient_engine
@@ -524,11 +550,12 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         start = time.perf_counter()
         buffers = engine.buffers
         params = engine.params
+        deepspeed = self.is_deepspeed_enabled  # DeepSpeed has reduced (and applied) the update's gradient itself
         if self.accelerator.num_processes > 1:
             world = self.accelerator.num_processes
             torch.distributed.all_reduce(buffers)
             buffers.div_(world)
-            for p in params:
+            for p in params if not deepspeed else ():
                 if p.grad is not None:
                     torch.distributed.all_reduce(p.grad)
                     p.grad.div_(world)
@@ -547,9 +574,12 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                     p.grad = chunk.clone() if p.grad is None else p.grad.add_(chunk)
             self._log_marble(info)
         else:
-            flat = torch.cat(
-                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
-            )
+            if deepspeed:  # the update's gradient without the KL term: the engine's last row
+                flat, buffers = buffers[-1].float(), buffers[:-1]
+            else:
+                flat = torch.cat(
+                    [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
+                )
             cosines = update_cosines(flat, buffers.float())
             stats = cosine_stats(cosines)
             for name, c in zip(self.reward_names, cosines.tolist()):
@@ -594,8 +624,13 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         from peft.utils import get_peft_model_state_dict
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        # ZeRO-3 may partition the LoRA: every process gathers it (DeepSpeed calls _save on all), the main one writes.
+        with gathered(self.trainable_parameters().values()):
+            layers = get_peft_model_state_dict(self.transformer, adapter_name=TRAIN_ADAPTER)
+            layers = {name: tensor.detach().cpu().clone() for name, tensor in layers.items()}
+        if not self.args.should_save:
+            return
         os.makedirs(output_dir, exist_ok=True)
-        layers = get_peft_model_state_dict(self.transformer, adapter_name=TRAIN_ADAPTER)
         type(self.pipeline).save_lora_weights(
             output_dir,
             transformer_lora_layers=layers,

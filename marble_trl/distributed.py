@@ -1,0 +1,140 @@
+"""DeepSpeed specifics of :class:`~marble_trl.MarbleDiffusionNFTTrainer` (see ``docs/distributed.md``).
+
+One NFT micro-batch is ``T`` forward/backward passes, one per training timestep (``T`` = the sampler's sigma grid
+times ``timestep_fraction``), so one optimizer step is ``GA * T`` backward calls. Under DeepSpeed:
+
+- accelerate's ``backward`` runs ``engine.backward`` and, when ``accelerator.sync_gradients`` is set (the Trainer sets
+  it for the whole last micro-batch), ``engine.step()``, with the engine's accumulation boundary forced to that flag.
+  :func:`backward` therefore keeps ``sync_gradients`` off for all but the last timestep of the last micro-batch:
+  exactly one optimizer step, after all ``GA * T`` backward calls;
+- the loss is already scaled by ``1 / (GA * T)``; the engine's own division by its ``gradient_accumulation_steps``
+  is switched off (``scale_wrt_gas=False``, as transformers' Trainer does);
+- the DeepSpeed config's ``gradient_accumulation_steps`` is set to ``GA * T`` (and ``train_batch_size`` to match), so
+  the ZeRO code that counts backward calls per step (gradient partitions, CPU offload accumulation) sees the truth;
+- the gradient of a step lives in DeepSpeed's partitions, not in ``.grad``: MARBLE refresh steps cannot write the
+  hand-made Eq. 7 direction into ``.grad``. They keep the per-reward gradients (``torch.autograd.grad``, which DeepSpeed
+  never sees) for the QP and the EMA, and apply the update in advantage space (``marble_refresh_update='advantage'``,
+  one ordinary DeepSpeed backward with ``A_bar``), with a one-line warning;
+- ZeRO-3 partitions every parameter of the transformer (the LoRA adapters included): reading or writing the LoRA
+  outside a forward (saving, the old-policy update, the parameter EMA) goes through :func:`gathered`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
+
+import torch
+from accelerate.utils import DistributedType
+
+logger = logging.getLogger(__name__)
+
+
+def num_train_timesteps(num_sigmas: int, timestep_fraction: float) -> int:
+    """Training timesteps per sample (= backward calls per micro-batch); the rule of the trainer's rollout step."""
+    return max(1, int(num_sigmas * timestep_fraction))
+
+
+def is_deepspeed(accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def configure_deepspeed(trainer) -> None:
+    """Adapt the DeepSpeed config and the MARBLE options to the per-timestep backward loop (called in ``__init__``,
+    before ``train()`` builds the engine)."""
+    # Creating the Trainer's DeepSpeed config re-registered transformers' global ZeRO-3 flag: off again.
+    disable_zero3_init()
+    args = trainer.args
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    config = plugin.deepspeed_config
+    timesteps = num_train_timesteps(len(trainer.train_sigmas), args.timestep_fraction)
+    trainer._deepspeed_backwards_per_micro_batch = timesteps
+    backwards = args.gradient_accumulation_steps * timesteps
+    config["gradient_accumulation_steps"] = backwards
+    config["train_batch_size"] = args.per_device_train_batch_size * backwards * args.world_size
+    if trainer.aggregation == "marble" and args.marble_refresh_update == "gradient":
+        logger.warning(
+            "DeepSpeed owns the gradients: MARBLE refresh steps use marble_refresh_update='advantage' (one backward "
+            "with A_bar; the QP still refreshes the coefficients) instead of writing Eq. 7 into .grad."
+        )
+        args.marble_refresh_update = "advantage"
+
+
+def backward(accelerator, loss: torch.Tensor, last_of_micro_batch: bool) -> None:
+    """``accelerator.backward`` for one training timestep. Under DeepSpeed, only the last backward of the optimizer
+    step is an accumulation boundary (it runs ``engine.step()``), and the engine does not rescale the loss."""
+    if not is_deepspeed(accelerator):
+        accelerator.backward(loss)
+        return
+    state = accelerator.gradient_state
+    boundary = state.sync_gradients
+    state._set_sync_gradients(boundary and last_of_micro_batch)
+    try:
+        accelerator.backward(loss, scale_wrt_gas=False)
+    finally:
+        state._set_sync_gradients(boundary)
+
+
+@contextlib.contextmanager
+def zero3_init_disabled() -> Iterator[None]:
+    """Build models as plain modules while a DeepSpeed ZeRO-3 config is active.
+
+    Under ``accelerate launch`` with ZeRO-3, creating the ``TrainingArguments`` registers transformers' global ZeRO-3
+    flag, and every transformers model built afterwards (``from_pretrained``) is partitioned by
+    ``deepspeed.zero.Init``. That is wrong for the frozen models here (CLIP/T5 text encoders, reward models): they are
+    not in the DeepSpeed engine, so nothing would gather their weights for a forward. Only the transformer is
+    partitioned, when the engine is built. Also usable as a decorator."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        yield
+        return
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    config = ref() if ref is not None else None
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if config is not None:
+            hf_deepspeed.set_hf_deepspeed_config(config)
+
+
+def disable_zero3_init() -> None:
+    """Switch transformers' global ZeRO-3 flag off for the rest of the process (see :func:`zero3_init_disabled`):
+    reward models may load lazily, at their first call, in the middle of training."""
+    try:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    except ImportError:  # pragma: no cover
+        return
+    unset_hf_deepspeed_config()
+
+
+def check_frozen_models_not_partitioned(pipeline) -> None:
+    """Frozen pipeline components built under ``deepspeed.zero.Init`` have empty weights outside any engine."""
+    for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
+        component = getattr(pipeline, name, None)
+        if component is not None and any(hasattr(p, "ds_id") for p in component.parameters()):
+            raise ValueError(
+                f"The pipeline's {name} was built partitioned by DeepSpeed ZeRO-3 (deepspeed.zero.Init), but it is not "
+                "part of the DeepSpeed engine, so its weights would never be gathered. Load the pipeline with "
+                "marble_trl.models.load_sd3_pipeline (or inside marble_trl.distributed.zero3_init_disabled())."
+            )
+
+
+def _partitioned(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    return [p for p in params if hasattr(p, "ds_id")]
+
+
+@contextlib.contextmanager
+def gathered(params: Iterable[torch.nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
+    """ZeRO-3: gather the partitioned ``params`` for the block (every rank must enter it; with ``modifier_rank``,
+    that rank's in-place changes are partitioned back on exit). Without ZeRO-3: nothing."""
+    partitioned = _partitioned(params)
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank):
+        yield

@@ -1,0 +1,242 @@
+"""The tiny recipe under real launchers on CPU, against the same recipe in one plain process (same global batch):
+
+- `marble-trl train --accelerate_config recipes/accelerate/multi_gpu.yaml --num_processes 2` (two gloo processes,
+  data parallel) gives the LoRA of one process with gradient accumulation;
+- DeepSpeed ZeRO-2 (the shipped config) and ZeRO-3 with every parameter partitioned, one process each
+  (`DS_ACCELERATOR=cpu`), give the same LoRA too: one optimizer step per GA x T backward calls, no double loss scaling,
+  MARBLE refresh steps through the advantage-space fallback (warned once), the per-reward gradients outside DeepSpeed,
+  the old-policy update, gradient checkpointing and the saved LoRA on gathered ZeRO-3 parameters.
+
+The DeepSpeed tests skip without deepspeed (`pip install "marble-trl[deepspeed]"`) or a C++ compiler (DeepSpeed
+JIT-compiles its CPU communication op on first use, ~1-2 minutes once per machine; later runs reuse the build).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
+ACCELERATE = ROOT / "recipes" / "accelerate"
+LORA = "pytorch_lora_weights.safetensors"
+# 3 steps: MARBLE refreshes at steps 0 and 2 (per-reward gradients + QP), an amortised step between; the refresh
+# update in advantage space, the one that DeepSpeed can apply (the plain run is told so explicitly).
+TRAIN_ARGS = [
+    "--config",
+    str(RECIPE),
+    "--max_steps",
+    "3",
+    "--marble_refresh_interval",
+    "2",
+    "--marble_refresh_update",
+    "advantage",
+    "--gradient_checkpointing",
+    "true",
+    "--sample_grid_prompts",
+    "0",
+    "--disable_tqdm",
+    "true",
+    # Plain SGD: AdamW divides by the root of tiny second moments, so the float summation order of an all-reduce (vs
+    # gradient accumulation) could move single weights by ~1e-3 after 3 steps. (AdamW under ZeRO-2 was also checked
+    # by hand: bitwise equal to the plain run.)
+    "--optim",
+    "sgd",
+    "--learning_rate",
+    "1.0",
+]
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None or shutil.which("c++") is None,
+    reason="needs deepspeed (pip install 'marble-trl[deepspeed]') and a C++ compiler for its CPU op",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    env.update(extra)
+    return env
+
+
+def _run(cmd: list[str], env: dict[str, str], out: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    assert (out / LORA).is_file()
+    return proc
+
+
+def _steps(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r and "grad_norm" in r]
+
+
+@pytest.fixture(scope="module")
+def init_lora() -> dict[str, torch.Tensor]:
+    """The recipe's LoRA before training (seeded), named as in the saved file."""
+    from peft.utils import get_peft_model_state_dict
+    from trl import TrlParser
+
+    from marble_trl import MarbleDiffusionNFTTrainer
+    from marble_trl.cli import MarbleScriptArguments, load_train_dataset
+    from marble_trl.nft_config import MarbleDiffusionNFTConfig
+
+    parser = TrlParser((MarbleScriptArguments, MarbleDiffusionNFTConfig))
+    script, cfg = parser.parse_args_and_config(["--config", str(RECIPE), "--output_dir", "unused"])
+    trainer = MarbleDiffusionNFTTrainer(
+        script.model_name_or_path, script.reward_funcs, args=cfg, train_dataset=load_train_dataset("bundled")
+    )
+    state = get_peft_model_state_dict(trainer.transformer, adapter_name="default")
+    return {f"transformer.{k}": v.detach().clone() for k, v in state.items()}
+
+
+def _assert_same_lora(out: Path, ref: Path, init: dict[str, torch.Tensor], atol: float) -> None:
+    a, b = load_file(str(ref / LORA)), load_file(str(out / LORA))
+    assert a.keys() == b.keys() == init.keys()
+    moved = max((a[name] - init[name]).abs().max().item() for name in a)
+    assert moved > 100 * atol, f"the reference run barely trained (max change {moved:.2e}): the test would be vacuous"
+    for name in a:
+        assert a[name].shape == b[name].shape, name
+        torch.testing.assert_close(b[name], a[name], atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    # the runs really trained and measured the same steps
+    steps, ref_steps = _steps(out), _steps(ref)
+    assert [s["step"] for s in steps] == [s["step"] for s in ref_steps] == [1, 2, 3]
+    for s, r in zip(steps, ref_steps):
+        assert s["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
+        assert s.get("marble/refreshes") == r.get("marble/refreshes")
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory) -> Path:
+    """The tiny recipe in one process (this one): the reference every launcher must reproduce."""
+    from marble_trl.cli import main
+
+    out = tmp_path_factory.mktemp("plain")
+    assert main(["train", *TRAIN_ARGS, "--output_dir", str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_accelerate_config_wrapper_two_processes_match_one(plain_run, init_lora, tmp_path):
+    config = yaml.safe_load((ACCELERATE / "multi_gpu.yaml").read_text())
+    config["main_process_port"] = _free_port()
+    config_file = tmp_path / "multi_gpu.yaml"
+    config_file.write_text(yaml.safe_dump(config))
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "marble_trl.cli", "train", *TRAIN_ARGS, "--output_dir", str(out)]
+    cmd += ["--accelerate_config", str(config_file), "--num_processes", "2"]
+    # CPU processes with gloo: the MULTI_GPU launcher with ACCELERATE_USE_CPU=true in the children.
+    proc = _run(cmd, _env(ACCELERATE_USE_CPU="true"), out)
+    assert "accelerate.commands.launch --config_file" in proc.stdout
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["global_step"] == 3
+    args = torch.load(out / "training_args.bin", weights_only=False)
+    assert args.gradient_accumulation_steps == 1  # 2 processes x 8 images: the recipe's 16 images per step
+    _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
+
+
+def _deepspeed_run(config: Path, out: Path, train_args: list[str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    cmd += ["--num_processes", "1", "--main_process_port", str(_free_port())]
+    cmd += ["-m", "marble_trl.cli", "train", *train_args, "--output_dir", str(out), "--use_cpu", "false"]
+    return _run(cmd, _env(), out)
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_zero2_matches_plain_run(plain_run, init_lora, tmp_path):
+    out = tmp_path / "zero2"
+    # the recipe's default refresh update ('gradient') must fall back to 'advantage' with a one-line warning
+    without_refresh_update = TRAIN_ARGS[:6] + TRAIN_ARGS[8:]
+    proc = _deepspeed_run(ACCELERATE / "deepspeed_zero2.yaml", out, without_refresh_update)
+    assert "DeepSpeed owns the gradients: MARBLE refresh steps use marble_refresh_update='advantage'" in proc.stderr
+    args = torch.load(out / "training_args.bin", weights_only=False)
+    assert args.marble_refresh_update == "advantage"
+    # accelerate reports the DeepSpeed config's accumulation: GA (2) x T (3 timesteps) backward calls per step
+    assert "DeepSpeed config has 6" in proc.stderr
+    _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_zero3_partitioned_matches_plain_run(plain_run, init_lora, tmp_path):
+    # every parameter partitioned (the default persistence threshold would keep the tiny model's params whole)
+    ds_config = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+    }
+    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
+    config = yaml.safe_load((ACCELERATE / "deepspeed_zero3.yaml").read_text())
+    config["deepspeed_config"] = {"deepspeed_config_file": str(tmp_path / "ds.json"), "zero3_init_flag": False}
+    config.pop("mixed_precision")  # the DeepSpeed file decides (fp32 here)
+    (tmp_path / "zero3.yaml").write_text(yaml.safe_dump(config))
+    # The recipe's brightness reward, wrapped to fail if a reward would load its model under deepspeed.zero.Init (as
+    # transformers does while a ZeRO-3 config is registered): reward models load lazily, in the middle of training.
+    (tmp_path / "zero3_probe.py").write_text(
+        "from transformers.integrations import is_deepspeed_zero3_enabled\n"
+        "from marble_trl.rewards.simple import brightness\n\n\n"
+        "def probe(prompts, images, **columns):\n"
+        "    assert not is_deepspeed_zero3_enabled(), 'a reward model would be built partitioned'\n"
+        "    return brightness(prompts, images, **columns)\n"
+    )
+    out = tmp_path / "zero3"
+    rewards = ["--reward_funcs", "zero3_probe:probe", "jpeg_compressibility"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "zero3.yaml")]
+    cmd += ["--num_processes", "1", "--main_process_port", str(_free_port())]
+    cmd += ["-m", "marble_trl.cli", "train", *TRAIN_ARGS, *rewards, "--output_dir", str(out), "--use_cpu", "false"]
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    _run(cmd, _env(PYTHONPATH=pythonpath), out)
+    _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
+
+
+def test_gradient_checkpointing_reaches_the_diffusers_transformer(tmp_path):
+    """`gradient_checkpointing: true` -> the Trainer's `activation_checkpointing_enable` -> diffusers' own switch
+    (the same call path with every launcher: it runs before the model is wrapped)."""
+    from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
+    from marble_trl.data import load_prompt_dataset
+
+    args = MarbleDiffusionNFTConfig(
+        output_dir=str(tmp_path),
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        prompts_per_step=1,
+        resolution=32,
+        num_sample_steps=2,
+        sample_scheduler="euler",
+        max_sequence_length=8,
+        lora_r=2,
+        lora_alpha=4,
+        use_cpu=True,
+        gradient_checkpointing=True,
+    )
+    trainer = MarbleDiffusionNFTTrainer("tiny", "brightness", args=args, train_dataset=load_prompt_dataset())
+    assert not trainer.transformer.is_gradient_checkpointing
+    trainer.train()
+    assert trainer.transformer.is_gradient_checkpointing
