@@ -71,6 +71,7 @@ def worker(args: argparse.Namespace) -> None:
         use_cpu=args.model == "tiny" and not torch.cuda.is_available(),
         seed=0,
         bf16=args.bf16,
+        beta=args.beta,
         **CONFIGS[args.worker],
     )
     trainer = MarbleDiffusionNFTTrainer(
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU)")
+    parser.add_argument("--beta", type=float, default=1e-4, help="KL weight (0 drops the KL stream of refreshes)")
     args = parser.parse_args()
     if args.worker:
         worker(args)
