@@ -204,6 +204,55 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         default=0.9, metadata={"help": "Cap of the parameter-EMA decay min((1+s)/(10+s), cap) (reference: 0.9)."}
     )
 
+    # --- prompt sources ---
+    source_ratios: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Sampling share of each prompt source, keyed by the train dataset's 'source' column, as a dict or "
+            'JSON string (normalised; e.g. {"ocr": 0.5, "geneval": 0.5}). Each step draws its prompts per source '
+            "by ratio. Unset: rows drawn uniformly. `marble-trl train` sets it from dataset_mixture."
+        },
+    )
+
+    # --- evaluation (eval_strategy / eval_steps and eval_dataset trigger it) ---
+    eval_reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Rewards scored at evaluation (names or dotted paths; may differ from the training rewards, e.g. "
+            "held-out metrics). Unset: the training rewards."
+        },
+    )
+    eval_sample_scheduler: str = field(
+        default="euler",
+        metadata={"help": "Evaluation ODE solver (same choices as sample_scheduler; reference: Euler)."},
+    )
+    eval_num_sample_steps: int = field(
+        default=40, metadata={"help": "Evaluation solver steps (DiffusionNFT reference evaluation: 40)."}
+    )
+    eval_guidance_scale: float = field(
+        default=1.0, metadata={"help": "CFG scale at evaluation (reference: 1.0, CFG-free)."}
+    )
+    eval_num_images_per_prompt: int = field(
+        default=1, metadata={"help": "Images per evaluation prompt, each from its own fixed seed."}
+    )
+    eval_seed: int = field(
+        default=0,
+        metadata={
+            "help": "Seed of the evaluation noise: image i of prompt p uses a generator seeded from (eval_seed, p, i), "
+            "so evaluations are identical whatever the step, batch size or number of processes."
+        },
+    )
+    eval_use_param_ema: bool = field(
+        default=True, metadata={"help": "Evaluate the parameter-EMA weights when param_ema is on."}
+    )
+    eval_grid_prompts: int = field(
+        default=8,
+        metadata={
+            "help": "Prompts of the eval dataset (the first ones) in the image grid saved at each evaluation under "
+            "output_dir/eval/ (0: no grid)."
+        },
+    )
+
     def __post_init__(self):
         if self.bf16 is None:
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16
@@ -212,6 +261,15 @@ class MarbleDiffusionNFTConfig(BaseConfig):
                 self.reward_kwargs = json.loads(self.reward_kwargs)
             except json.JSONDecodeError as err:
                 raise ValueError(f"reward_kwargs must be a dict or a JSON object string: {err}.") from err
+        if isinstance(self.source_ratios, str):
+            try:
+                self.source_ratios = json.loads(self.source_ratios)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f'source_ratios must be a dict or a JSON object string like \'{{"a": 0.7, "b": 0.3}}\': {err}.'
+                ) from err
+        if isinstance(self.eval_reward_funcs, str):
+            self.eval_reward_funcs = [self.eval_reward_funcs]
         self._check_fields()
         super().__post_init__()
         self._check_batching()
@@ -276,6 +334,31 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             0 <= self.param_ema_max_decay < 1,
             f"param_ema_max_decay must be in [0, 1), got {self.param_ema_max_decay}.",
         )
+        if self.source_ratios is not None:
+            from .sources import normalise_ratios
+
+            need(isinstance(self.source_ratios, dict), "source_ratios must map source names to ratios.")
+            self.source_ratios = normalise_ratios(self.source_ratios, "source_ratios")
+        need(
+            self.eval_num_sample_steps >= 1,
+            f"eval_num_sample_steps must be >= 1 (reference: 40), got {self.eval_num_sample_steps}.",
+        )
+        need(
+            self.eval_guidance_scale >= 1.0,
+            f"eval_guidance_scale must be >= 1.0 (1.0 = CFG-free), got {self.eval_guidance_scale}.",
+        )
+        need(
+            self.eval_num_images_per_prompt >= 1,
+            f"eval_num_images_per_prompt must be >= 1, got {self.eval_num_images_per_prompt}.",
+        )
+        need(
+            self.eval_grid_prompts >= 0, f"eval_grid_prompts must be >= 0 (0: no grid), got {self.eval_grid_prompts}."
+        )
+        if self.eval_reward_funcs is not None:
+            need(
+                len(self.eval_reward_funcs) > 0,
+                "eval_reward_funcs is empty: name at least one reward, or leave it unset to use the training rewards.",
+            )
         if self.prompts_per_step is not None:
             need(self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}.")
 

@@ -57,6 +57,7 @@ from .checkpoint import (
 )
 from .data import GroupSampler, check_prompt_dataset
 from .distributed import backward, check_frozen_models_not_partitioned, disable_zero3_init, gathered
+from .evaluation import generate_eval_images, grid_image, sample_seed, summarize_scores
 from .lora import (
     TRAIN_ADAPTER,
     LoraEMA,
@@ -71,6 +72,16 @@ from .nft import add_noise, advantage_to_r, nft_loss, nft_loss_terms, old_policy
 from .nft_config import MarbleDiffusionNFTConfig
 from .rewards import RewardFunc, resolve_reward_funcs, reward_name, score_rewards
 from .rollout import PromptEmbeddings, decode_latents, encode_prompts, make_scheduler, sample_latents, training_sigmas
+from .sources import SOURCE_COLUMN
+
+
+def _eval_datasets(eval_dataset: Any) -> list[tuple[str, Any]]:
+    """``(name, dataset)`` pairs of an ``eval_dataset`` (``None``, a dataset, or a dict of them)."""
+    if eval_dataset is None:
+        return []
+    if isinstance(eval_dataset, dict):
+        return [(f"eval_dataset[{key!r}]", ds) for key, ds in eval_dataset.items()]
+    return [("eval_dataset", eval_dataset)]
 
 
 def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -96,7 +107,11 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             registered names, or dotted import paths (see ``docs/rewards.md``).
         args: a :class:`MarbleDiffusionNFTConfig`.
         train_dataset: a ``datasets.Dataset`` with a ``prompt`` column; other columns reach the reward functions.
+        eval_dataset: prompts for :meth:`evaluate` (a ``datasets.Dataset`` with a ``prompt`` column, or a dict of
+            them); evaluation runs at ``eval_strategy`` / ``eval_steps`` as in ``transformers.Trainer``.
         peft_config: a ``peft.LoraConfig``; by default one is built from the ``lora_*`` fields of ``args``.
+        eval_reward_funcs: the rewards scored by :meth:`evaluate` (default: ``args.eval_reward_funcs``, else the
+            training rewards); training rewards of the same name are reused, not built twice.
     """
 
     _tag_names = ["trl", "marble", "diffusion-nft", "diffusers", "lora", "text-to-image"]
@@ -120,12 +135,15 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         peft_config: Any = None,
         callbacks: list[TrainerCallback] | None = None,
         optimizers: tuple[Any, Any] = (None, None),
+        eval_reward_funcs: RewardFunc | str | Sequence[RewardFunc | str] | None = None,
     ) -> None:
         if args is None:  # the reference setup: 48 prompts x 24 images per step
             args = MarbleDiffusionNFTConfig(output_dir="marble-diffusion-nft", prompts_per_step=48)
         if not isinstance(args, MarbleDiffusionNFTConfig):
             raise TypeError(f"args must be a MarbleDiffusionNFTConfig, got {type(args).__name__}.")
         check_prompt_dataset(train_dataset)
+        for name, dataset in _eval_datasets(eval_dataset):
+            check_prompt_dataset(dataset, name=name)
         # Seed before the LoRA is initialised (transformers.Trainer seeds only in its own __init__, after that).
         set_seed(args.seed)
         disable_zero3_init()  # ZeRO-3: no frozen model (reward models load lazily) may be built partitioned
@@ -172,6 +190,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(self.reward_funcs)
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self.aggregation = self._resolve_aggregation(args.multi_objective_aggregation, len(self.reward_funcs))
+        self.eval_reward_funcs, self.eval_reward_names = self._resolve_eval_rewards(eval_reward_funcs, args)
 
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._step_timer: dict[str, float] = defaultdict(float)
@@ -191,6 +210,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                 component.to(device)
         self.rollout_scheduler = make_scheduler(args.sample_scheduler, self.pipeline.scheduler)
         self.train_sigmas = training_sigmas(self.pipeline.scheduler, args.num_sample_steps)
+        self.eval_scheduler = make_scheduler(args.eval_sample_scheduler, self.pipeline.scheduler)
         if self.is_deepspeed_enabled:
             from .distributed import configure_deepspeed
 
@@ -232,14 +252,64 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         # run outside CI). This trainer is not one of TRL's, so it sends nothing.
         return
 
+    def _resolve_eval_rewards(self, specs, args: MarbleDiffusionNFTConfig) -> tuple[list[RewardFunc], list[str]]:
+        """The evaluation rewards: the training rewards unless given; a training reward's name reuses its instance."""
+        specs = specs if specs is not None else args.eval_reward_funcs
+        if specs is None:
+            return list(self.reward_funcs), list(self.reward_names)
+        specs = [specs] if isinstance(specs, str) or callable(specs) else list(specs)
+        trained = dict(zip(self.reward_names, self.reward_funcs))
+        kwargs = args.reward_kwargs or {}
+        funcs = []
+        for spec in specs:
+            if isinstance(spec, str) and spec in trained:
+                funcs.append(trained[spec])
+            else:
+                options = {spec: kwargs[spec]} if isinstance(spec, str) and spec in kwargs else None
+                funcs.extend(resolve_reward_funcs([spec], options))
+        names = [reward_name(f) for f in funcs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval_reward_funcs names must be unique, got {names}.")
+        return funcs, names
+
     def _get_train_sampler(self, train_dataset=None) -> GroupSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
+        sources, ratios = self._source_indices(dataset)
         return GroupSampler(
             num_prompts=len(dataset),
             num_generations=self.args.num_generations,
             prompts_per_step=self.args.prompts_per_optimizer_step,
             seed=self.args.seed,
+            sources=sources,
+            ratios=ratios,
         )
+
+    def _source_indices(self, dataset) -> tuple[list[int] | None, list[float] | None]:
+        """Each row's source index and each source's ratio, from the ``source`` column and ``args.source_ratios``."""
+        ratios = self.args.source_ratios
+        if ratios is None:
+            return None, None
+        if SOURCE_COLUMN not in dataset.column_names:
+            raise ValueError(
+                f"source_ratios is set ({ratios}) but the train dataset has no {SOURCE_COLUMN!r} column; build it with "
+                "marble_trl.sources.load_prompt_sources (or add the column), or unset source_ratios."
+            )
+        names = list(ratios)
+        index = {name: k for k, name in enumerate(names)}
+        column = dataset[SOURCE_COLUMN]
+        unknown = sorted({str(v) for v in column} - set(index))
+        if unknown:
+            raise ValueError(
+                f"source_ratios gives no ratio for the source(s) {unknown} of the train dataset (ratios for: {names}); "
+                "add them to source_ratios (0 to leave a source out)."
+            )
+        absent = sorted(n for n in names if ratios[n] > 0 and n not in set(column))
+        if absent:
+            raise ValueError(
+                f"source_ratios names source(s) {absent} that have no row in the train dataset's {SOURCE_COLUMN!r} "
+                "column; fix the names or remove them."
+            )
+        return [index[str(v)] for v in column], [ratios[n] for n in names]
 
     @property
     def transformer(self) -> torch.nn.Module:
@@ -313,11 +383,13 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         for name, seconds in timings.items():
             self._metrics[f"rewards/{name}/time"].append(seconds)
 
-        rewards_global, local_positions = self._gather_rewards(rewards_local, prompts, micro)
+        rewards_global, local_positions, sources_global = self._gather_rewards(
+            rewards_local, prompts, micro, columns.get(SOURCE_COLUMN)
+        )
         adv = collate_advantages(
             rewards_global, args.num_generations, args.scale_rewards, self.reward_weights, self.aggregation
         )
-        self._log_rewards(rewards_global)
+        self._log_rewards(rewards_global, sources_global)
         self._metrics["time/rollout"].append(rollout_time)
         self._metrics["time/reward"].append(reward_time)
 
@@ -381,8 +453,11 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             )
         return embeds, negative
 
-    def _gather_rewards(self, rewards_local: torch.Tensor, prompts: list[str], micro: int):
-        """Gather the step's rewards from every process in the global sampler order.
+    def _gather_rewards(
+        self, rewards_local: torch.Tensor, prompts: list[str], micro: int, sources: list[Any] | None = None
+    ):
+        """Gather the step's rewards (and the samples' sources, if given) from every process in the global sampler
+        order. Returns the ordered rewards, the local samples' global positions and the ordered sources (or None).
 
         accelerate hands global batch ``j`` to process ``j % world``, so process ``p``'s ``m``-th micro-batch is
         global batch ``m * world + p``. Groups of ``G`` consecutive samples in that order share a prompt; this is
@@ -394,11 +469,12 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         local_idx = torch.arange(n_local)
         positions = ((local_idx // micro) * world + rank) * micro + local_idx % micro
         if world == 1:
-            all_rewards, all_prompts, all_positions = rewards_local, prompts, positions
+            all_rewards, all_prompts, all_positions, all_sources = rewards_local, prompts, positions, sources
         else:
             gathered = gather(rewards_local.T.contiguous().to(self.accelerator.device)).cpu()
             all_rewards = gathered.T
             all_prompts = gather_object(prompts)
+            all_sources = gather_object(sources) if sources is not None else None
             ranks = torch.arange(world).repeat_interleave(n_local)
             idx = local_idx.repeat(world)
             all_positions = ((idx // micro) * world + ranks) * micro + idx % micro
@@ -407,6 +483,11 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         ordered_prompts = [""] * len(all_prompts)
         for pos, prompt in zip(all_positions.tolist(), all_prompts):
             ordered_prompts[pos] = prompt
+        ordered_sources = None
+        if all_sources is not None:
+            ordered_sources = [None] * len(all_sources)
+            for pos, source in zip(all_positions.tolist(), all_sources):
+                ordered_sources[pos] = source
         g = self.args.num_generations
         for start in range(0, len(ordered_prompts), g):
             group = ordered_prompts[start : start + g]
@@ -415,9 +496,9 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                     f"A group of {g} samples mixes prompts ({sorted(set(group))[:3]}...): the data sharding does not "
                     "keep groups together. Use the trainer's own dataloader (GroupSampler)."
                 )
-        return ordered, positions
+        return ordered, positions, ordered_sources
 
-    def _log_rewards(self, rewards: torch.Tensor) -> None:
+    def _log_rewards(self, rewards: torch.Tensor, sources: list[Any] | None = None) -> None:
         g = self.args.num_generations
         for k, name in enumerate(self.reward_names):
             values = rewards[k]
@@ -426,6 +507,10 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             if applicable.numel():
                 self._metrics[f"rewards/{name}/mean"].append(applicable.mean().item())
                 self._metrics[f"rewards/{name}/std"].append(applicable.std(unbiased=False).item())
+            for source in sorted({str(s) for s in sources if s is not None}) if sources is not None else ():
+                mask = ok & torch.tensor([str(s) == source for s in sources])
+                if mask.any():  # a reward that informs no sample of this source logs nothing for it
+                    self._metrics[f"rewards/{name}/{source}/mean"].append(values[mask].mean().item())
             self._metrics[f"rewards/{name}/frac_not_applicable"].append(1.0 - ok.float().mean().item())
             self._metrics[f"rewards/{name}/frac_zero_std"].append(group_std_is_zero(values, g).float().mean().item())
         weighted = (rewards * self.reward_weights[:, None]).nansum(dim=0)
@@ -611,7 +696,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ logging and saving
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self.model.training or "loss" in logs:
+        # Evaluation metrics are logged on their own: the step's training metrics wait for the training log.
+        if (self.model.training or "loss" in logs) and not getattr(self, "_logging_eval", False):
             for key, values in self._metrics.items():
                 finite = [v for v in values if not math.isnan(v)]
                 logs[key] = sum(finite) / len(finite) if finite else float("nan")
@@ -719,6 +805,122 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             images = decode_latents(self.pipeline, latents)
         transformer.train(was_training)
         return images
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Generate ``eval_num_images_per_prompt`` images for every prompt of the eval dataset with the deterministic
+        evaluation sampler (``eval_sample_scheduler``, ``eval_num_sample_steps``, ``eval_guidance_scale``; the noise of
+        image ``i`` of prompt ``p`` is seeded from ``(eval_seed, p, i)``), with the parameter-EMA weights when
+        ``param_ema`` and ``eval_use_param_ema`` are on, and score them with the evaluation rewards.
+
+        Logs and returns ``{prefix}_rewards/{name}/mean`` (and ``std``, ``sem``, ``count``, and per source
+        ``{prefix}_rewards/{name}/{source}/mean``), ``{prefix}_runtime`` and ``{prefix}_samples``; saves an image grid
+        of the first ``eval_grid_prompts`` prompts to ``output_dir/eval/step-{N}.png``. Prompts are sharded over the
+        processes and the scores gathered. Training randomness is untouched: a run with evaluations trains exactly as
+        one without. A dict of eval datasets is evaluated one by one, with the prefix ``eval_{key}``.
+        """
+        override = eval_dataset is not None
+        dataset = eval_dataset if override else self.eval_dataset
+        if isinstance(dataset, dict):
+            metrics: dict[str, float] = {}
+            for key, ds in dataset.items():
+                metrics.update(self.evaluate(ds, ignore_keys, f"{metric_key_prefix}_{key}"))
+            return metrics
+        if isinstance(dataset, str):  # transformers passes the key of a dict eval_dataset
+            dataset = self.eval_dataset[dataset]
+        check_prompt_dataset(dataset, name="eval_dataset")
+        start = time.time()
+        metrics = self._evaluate_dataset(dataset, metric_key_prefix)
+        metrics[f"{metric_key_prefix}_runtime"] = round(time.time() - start, 4)
+        self._logging_eval = True
+        try:
+            self.log(metrics)
+        finally:
+            self._logging_eval = False
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _evaluate_dataset(self, dataset, prefix: str) -> dict[str, float]:
+        args = self.args
+        accelerator = self.accelerator
+        world, rank = accelerator.num_processes, accelerator.process_index
+        n_img = args.eval_num_images_per_prompt
+        items = [(p, i) for p in range(len(dataset)) for i in range(n_img)]
+        per_process = math.ceil(len(items) / world)
+        shard = items[rank::world]
+        shard = shard + [shard[-1] if shard else items[0]] * (per_process - len(shard))  # equal work: no rank waits
+        shard_real = len(items[rank::world])
+        batch = max(1, args.per_device_eval_batch_size)
+        grid_n = min(args.eval_grid_prompts, len(dataset))
+        extra = [c for c in dataset.column_names if c != "prompt"]
+        transformer = self.transformer
+        was_training = transformer.training
+        cpu_rng = torch.random.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        use_ema = self.param_ema is not None and args.eval_use_param_ema
+        rows: list[dict[str, Any]] = []
+        transformer.eval()
+        try:
+            with torch.no_grad(), self.param_ema.swapped_in(transformer) if use_ema else contextlib.nullcontext():
+                for b in range(0, len(shard), batch):
+                    chunk = shard[b : b + batch]
+                    records = [dataset[p] for p, _ in chunk]
+                    prompts = [r["prompt"] for r in records]
+                    with self._autocast():
+                        images = generate_eval_images(
+                            self.pipeline,
+                            self.eval_scheduler,
+                            prompts,
+                            [sample_seed(args.eval_seed, p, i) for p, i in chunk],
+                            num_steps=args.eval_num_sample_steps,
+                            resolution=args.resolution,
+                            guidance_scale=args.eval_guidance_scale,
+                            negative_prompt=args.negative_prompt,
+                            max_sequence_length=args.max_sequence_length,
+                            device=accelerator.device,
+                        )
+                    columns = {c: [r.get(c) for r in records] for c in extra}
+                    scores = score_rewards(self.eval_reward_funcs, prompts, images, columns, self.eval_reward_names)
+                    for j, (p, i) in enumerate(chunk):
+                        if b + j >= shard_real:
+                            continue  # padding
+                        rows.append(
+                            {
+                                "p": p,
+                                "i": i,
+                                "scores": scores[:, j].tolist(),
+                                "source": columns.get(SOURCE_COLUMN, [None] * len(chunk))[j],
+                                "image": images[j].float().cpu() if p < grid_n else None,
+                            }
+                        )
+        finally:
+            transformer.train(was_training)
+            torch.random.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        if world > 1:
+            rows = gather_object(rows)
+        rows = sorted({(r["p"], r["i"]): r for r in rows}.values(), key=lambda r: (r["p"], r["i"]))
+        score_rows = [
+            {n: (None if math.isnan(v) else v) for n, v in zip(self.eval_reward_names, r["scores"])} for r in rows
+        ]
+        sources = [r["source"] for r in rows] if SOURCE_COLUMN in dataset.column_names else None
+        summary = summarize_scores(self.eval_reward_names, score_rows, sources)
+        metrics = {f"{prefix}_rewards/{key}": value for key, value in summary.items()}
+        metrics[f"{prefix}_samples"] = float(len(rows))
+        grid = [r["image"] for r in rows if r["image"] is not None]
+        if grid and self.is_world_process_zero():
+            folder = os.path.join(args.output_dir, "eval")
+            os.makedirs(folder, exist_ok=True)
+            tag = prefix[len("eval_") :] + "-" if prefix.startswith("eval_") else ""
+            image = grid_image(torch.stack(grid), n_img if n_img > 1 else len(grid), args.resolution)
+            image.save(os.path.join(folder, f"{tag}step-{self.state.global_step}.png"))
+        return metrics
 
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The trainable LoRA parameters by name."""

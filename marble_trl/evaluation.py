@@ -1,0 +1,384 @@
+"""Evaluation: deterministic images for a prompt set, scored by a list of rewards, summarised across models.
+
+Both the trainer's ``evaluate`` (during training) and ``marble-trl evaluate`` (base model, LoRAs, checkpoints) use
+:func:`generate_eval_images`: image ``i`` of prompt ``p`` starts from noise drawn with its own generator, seeded from
+``(seed, p, i)`` (:func:`sample_seed`), so an image does not depend on the batch it is in, on the number of processes,
+nor on any training randomness; the default sampler is the reference's 40-step Euler, CFG-free.
+
+``marble-trl evaluate`` writes, under ``--output``:
+
+- ``<model>/scores.jsonl``: one line per (prompt, image) with each reward's score (``null`` = not applicable); a rerun
+  reuses the rows already there and generates only the missing ones (``<model>/settings.json`` guards against mixing
+  settings);
+- ``<model>/images/``: the images of the first ``--grid_prompts`` prompts, and ``<model>/grid.png`` tiling them;
+- ``results.md`` and ``results.csv``: per model, each reward's mean and standard error, and the paper's composite
+  (the mean over rewards of the model's z-score against the compared models; :mod:`marble_trl.scores`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .scores import composite_zscores, markdown_table, mean_sem, write_csv
+
+SCORES_FILE = "scores.jsonl"
+SETTINGS_FILE = "settings.json"
+GRID_FILE = "grid.png"
+BASE_MODEL_NAME = "base"
+
+
+def sample_seed(seed: int, prompt_index: int, image_index: int) -> int:
+    """The noise seed of image ``image_index`` of prompt ``prompt_index`` (integers hash identically everywhere)."""
+    return hash((int(seed), int(prompt_index), int(image_index))) % (2**63)
+
+
+@torch.no_grad()
+def generate_eval_images(
+    pipeline,
+    scheduler,
+    prompts: list[str],
+    seeds: Sequence[int],
+    *,
+    num_steps: int,
+    resolution: int,
+    guidance_scale: float = 1.0,
+    negative_prompt: str = "",
+    max_sequence_length: int = 256,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Images ``[B, 3, H, W]`` in ``[0, 1]`` for ``prompts``, image ``j`` from noise seeded with ``seeds[j]``."""
+    from .rollout import decode_latents, encode_prompts, sample_latents
+
+    device = torch.device(device) if device is not None else pipeline.transformer.device
+    embeds = encode_prompts(pipeline, prompts, max_sequence_length, device)
+    negative = None
+    if guidance_scale > 1.0:
+        negative = encode_prompts(pipeline, [negative_prompt] * len(prompts), max_sequence_length, device)
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    latents = sample_latents(pipeline, scheduler, embeds, num_steps, resolution, generators, guidance_scale, negative)
+    return decode_latents(pipeline, latents)
+
+
+def summarize_scores(
+    names: Sequence[str], rows: Sequence[dict[str, Any]], sources: Sequence[str | None] | None = None
+) -> dict[str, float]:
+    """``{name}/mean``, ``{name}/std`` (population), ``{name}/sem`` and ``{name}/count`` of each reward over ``rows``
+    (dicts ``{name: score or None}``); with ``sources``, also ``{name}/{source}/mean``."""
+    out: dict[str, float] = {}
+    for name in names:
+        values = [r.get(name) for r in rows]
+        mean, sem, n = mean_sem(values)
+        xs = [float(v) for v in values if v is not None]
+        std = math.sqrt(sum((x - mean) ** 2 for x in xs) / n) if n else math.nan
+        out.update({f"{name}/mean": mean, f"{name}/std": std, f"{name}/sem": sem, f"{name}/count": float(n)})
+        if sources is not None:
+            for source in sorted({s for s in sources if s is not None}):
+                sub = [v for v, s in zip(values, sources) if s == source]
+                out[f"{name}/{source}/mean"] = mean_sem(sub)[0]
+    return out
+
+
+def grid_image(images: torch.Tensor, columns: int, resolution: int):
+    """A PIL grid of ``images`` (small images scaled up to about 128 px so the grid is viewable)."""
+    from PIL import Image
+
+    from .samples import image_grid
+
+    grid = image_grid(images, max(1, columns))
+    scale = max(1, 128 // max(1, resolution))
+    if scale > 1:
+        grid = grid.resize((grid.width * scale, grid.height * scale), Image.NEAREST)
+    return grid
+
+
+def save_file_grid(files: Sequence[Path], columns: int, path: Path) -> Path:
+    """Tile image files (same size) into a grid PNG, small images scaled up to about 128 px."""
+    from PIL import Image
+
+    pils = [Image.open(f).convert("RGB") for f in files]
+    w, h = pils[0].size
+    rows = (len(pils) + columns - 1) // columns
+    grid = Image.new("RGB", (columns * w, rows * h), "white")
+    for k, im in enumerate(pils):
+        grid.paste(im, ((k % columns) * w, (k // columns) * h))
+    scale = max(1, 128 // max(1, w))
+    if scale > 1:
+        grid = grid.resize((grid.width * scale, grid.height * scale), Image.NEAREST)
+    grid.save(path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- marble-trl evaluate
+@dataclass
+class EvalSettings:
+    """Sampler and scoring settings of ``marble-trl evaluate`` (recorded per model in ``settings.json``)."""
+
+    reward_funcs: list[str]
+    num_images_per_prompt: int = 1
+    num_sample_steps: int = 40
+    scheduler: str = "euler"
+    guidance_scale: float = 1.0
+    negative_prompt: str = ""
+    resolution: int | None = None
+    max_sequence_length: int | None = None
+    seed: int = 0
+    batch_size: int = 8
+    grid_prompts: int = 8
+    reward_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.reward_funcs:
+            raise ValueError("reward_funcs is empty: name at least one reward (--reward_funcs brightness ...).")
+        for name, value, low in (
+            ("num_images_per_prompt", self.num_images_per_prompt, 1),
+            ("num_sample_steps", self.num_sample_steps, 1),
+            ("batch_size", self.batch_size, 1),
+            ("grid_prompts", self.grid_prompts, 0),
+        ):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}.")
+        if self.guidance_scale < 1.0:
+            raise ValueError(f"guidance_scale must be >= 1.0 (1.0 = CFG-free), got {self.guidance_scale}.")
+
+
+@dataclass
+class ModelSpec:
+    """One compared model: the base model (``lora=None``) or the base plus a LoRA folder."""
+
+    name: str
+    lora: str | None = None
+    weight_name: str | None = None
+
+
+def model_specs(loras: Sequence[str], include_base: bool = True, weight_name: str | None = None) -> list[ModelSpec]:
+    """The compared models, named ``base`` and by folder (``parent/folder`` when folder names collide)."""
+    specs = [ModelSpec(BASE_MODEL_NAME)] if include_base else []
+    paths = [Path(p).expanduser() for p in loras]
+    for path in paths:
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"--lora {str(path)!r} is not a folder: give a LoRA folder (output_dir, checkpoint-N, an export)."
+            )
+    names = [p.resolve().name for p in paths]
+    for path, name in zip(paths, names):
+        if names.count(name) > 1 or name == BASE_MODEL_NAME:
+            name = f"{path.resolve().parent.name}-{name}"
+        specs.append(ModelSpec(name, str(path), weight_name))
+    seen: dict[str, int] = {}
+    for spec in specs:
+        n = seen.get(spec.name, 0)
+        seen[spec.name] = n + 1
+        if n:
+            spec.name = f"{spec.name}-{n + 1}"
+    if not specs:
+        raise ValueError("Nothing to evaluate: give --lora folders, or keep the base model.")
+    return specs
+
+
+def _safe_dirname(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _read_scores(path: Path) -> dict[tuple[int, int], dict[str, Any]]:
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    if not path.is_file():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by an interrupted run: regenerated
+        rows[(int(row["prompt_index"]), int(row["image_index"]))] = row
+    return rows
+
+
+def _check_settings(folder: Path, settings: dict[str, Any]) -> None:
+    path = folder / SETTINGS_FILE
+    if path.is_file():
+        old = json.loads(path.read_text(encoding="utf-8"))
+        if old != settings:
+            diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+            raise ValueError(
+                f"{folder} holds scores made with other settings ({', '.join(diff)} differ); use another --output, or "
+                f"delete {folder} to rescore."
+            )
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def evaluate_models(
+    model: str,
+    models: Sequence[ModelSpec],
+    dataset,
+    settings: EvalSettings,
+    output: str | os.PathLike,
+    *,
+    tiny_seed: int = 0,
+    torch_dtype: torch.dtype | None = None,
+    device: str | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Score every model on every (prompt, image) of ``dataset``; write the per-model files and the results tables.
+
+    Returns the result rows (one per model: ``model``, ``{reward}/mean``, ``{reward}/sem``, ``composite``).
+    """
+    from tqdm.auto import tqdm
+
+    from .data import check_prompt_dataset
+    from .export import DIFFUSERS_WEIGHTS, PEFT_WEIGHTS, read_sampling_settings
+    from .models import load_sd3_pipeline
+    from .rewards import resolve_reward_funcs, reward_name, score_rewards
+    from .rewards.images import to_pil
+    from .rollout import make_scheduler
+
+    check_prompt_dataset(dataset, name="prompt set")
+    funcs = resolve_reward_funcs(list(settings.reward_funcs), settings.reward_kwargs)
+    names = [reward_name(f) for f in funcs]
+    output = Path(output)
+    output.mkdir(parents=True, exist_ok=True)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if torch_dtype is None:
+        torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    pipe = None
+    prompts = list(dataset["prompt"])
+    extra = [c for c in dataset.column_names if c != "prompt"]
+    columns_all = {c: list(dataset[c]) for c in extra}
+    sources = columns_all.get("source")
+    n_img = settings.num_images_per_prompt
+    items = [(p, i) for p in range(len(prompts)) for i in range(n_img)]
+    grid_n = min(settings.grid_prompts, len(prompts))
+    results = []
+    for spec in models:
+        folder = output / _safe_dirname(spec.name)
+        lora_settings = read_sampling_settings(spec.lora) if spec.lora else {}
+        resolution = settings.resolution or lora_settings.get("resolution")
+        max_len = settings.max_sequence_length or lora_settings.get("max_sequence_length") or 256
+        record = {
+            "model": model,
+            "tiny_seed": tiny_seed if model == "tiny" else None,
+            "lora": str(Path(spec.lora).resolve()) if spec.lora else None,
+            "weight_name": spec.weight_name,
+            "prompts": prompts,
+            "rewards": names,
+            "num_images_per_prompt": n_img,
+            "num_sample_steps": settings.num_sample_steps,
+            "scheduler": settings.scheduler,
+            "guidance_scale": settings.guidance_scale,
+            "negative_prompt": settings.negative_prompt,
+            "resolution": resolution,
+            "max_sequence_length": max_len,
+            "seed": settings.seed,
+        }
+        _check_settings(folder, record)
+        done = _read_scores(folder / SCORES_FILE)
+        todo = [it for it in items if it not in done]
+        images_dir = folder / "images"
+        todo_grid = [
+            (p, i) for p in range(grid_n) for i in range(n_img) if not (images_dir / f"{p:05d}-{i:02d}.png").is_file()
+        ]
+        todo = sorted(set(todo) | set(todo_grid))
+        if todo:
+            if pipe is None:
+                pipe = load_sd3_pipeline(
+                    model, torch_dtype=None if torch_dtype == torch.float32 else torch_dtype, tiny_seed=tiny_seed
+                )
+                pipe.set_progress_bar_config(disable=True)
+                pipe.to(device)
+                scheduler = make_scheduler(settings.scheduler, pipe.scheduler)
+            if spec.lora is not None:
+                lora_dir = Path(spec.lora)
+                if spec.weight_name is None and not (lora_dir / DIFFUSERS_WEIGHTS).is_file():
+                    hint = (
+                        " It holds a PEFT-format LoRA; export it with --format diffusers."
+                        if (lora_dir / PEFT_WEIGHTS).is_file()
+                        else ""
+                    )
+                    raise FileNotFoundError(f"--lora {lora_dir} has no {DIFFUSERS_WEIGHTS}.{hint}")
+                pipe.load_lora_weights(str(lora_dir), weight_name=spec.weight_name)
+            res = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+            images_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                with (folder / SCORES_FILE).open("a", encoding="utf-8") as f:
+                    bar = tqdm(total=len(todo), desc=f"evaluate {spec.name}", unit="img", disable=not progress)
+                    for start in range(0, len(todo), settings.batch_size):
+                        chunk = todo[start : start + settings.batch_size]
+                        batch_prompts = [prompts[p] for p, _ in chunk]
+                        images = generate_eval_images(
+                            pipe,
+                            scheduler,
+                            batch_prompts,
+                            [sample_seed(settings.seed, p, i) for p, i in chunk],
+                            num_steps=settings.num_sample_steps,
+                            resolution=res,
+                            guidance_scale=settings.guidance_scale,
+                            negative_prompt=settings.negative_prompt,
+                            max_sequence_length=max_len,
+                            device=device,
+                        )
+                        for (p, i), pil in zip(chunk, to_pil(images)):
+                            if p < grid_n:
+                                pil.save(images_dir / f"{p:05d}-{i:02d}.png")
+                        need = [j for j, it in enumerate(chunk) if it not in done]
+                        if need:
+                            cols = {c: [columns_all[c][chunk[j][0]] for j in need] for c in extra}
+                            scores = score_rewards(funcs, [batch_prompts[j] for j in need], images[need], cols, names)
+                            for col, j in enumerate(need):
+                                p, i = chunk[j]
+                                values = [None if math.isnan(v) else v for v in scores[:, col].tolist()]
+                                row = {"prompt_index": p, "image_index": i, "prompt": prompts[p]}
+                                row.update(
+                                    {"seed": sample_seed(settings.seed, p, i), "scores": dict(zip(names, values))}
+                                )
+                                f.write(json.dumps(row) + "\n")
+                                done[(p, i)] = row
+                            f.flush()
+                        bar.update(len(chunk))
+                    bar.close()
+            finally:
+                if spec.lora is not None:
+                    pipe.unload_lora_weights()
+        rows = [done[it]["scores"] for it in items]
+        row_sources = [sources[p] for p, _ in items] if sources is not None else None
+        summary = summarize_scores(names, rows, row_sources)
+        result: dict[str, Any] = {"model": spec.name, "lora": spec.lora or "", "images": len(items)}
+        for name in names:
+            result[f"{name}/mean"] = summary[f"{name}/mean"]
+            result[f"{name}/sem"] = summary[f"{name}/sem"]
+        results.append(result)
+        if grid_n:
+            files = [images_dir / f"{p:05d}-{i:02d}.png" for p in range(grid_n) for i in range(n_img)]
+            save_file_grid(files, n_img if n_img > 1 else grid_n, folder / GRID_FILE)
+    write_results(results, names, output)
+    return results
+
+
+def write_results(results: list[dict[str, Any]], names: Sequence[str], output: str | os.PathLike) -> None:
+    """Add the composite to ``results`` and write ``results.md`` and ``results.csv``."""
+    output = Path(output)
+    table = {r["model"]: {n: r[f"{n}/mean"] for n in names} for r in results}
+    usable = [n for n in names if all(math.isfinite(table[m][n]) for m in table)]
+    composite = composite_zscores(table, usable) if usable else {}
+    for r in results:
+        r["composite"] = composite.get(r["model"], math.nan)
+    columns = ["model", *[c for n in names for c in (f"{n}/mean", f"{n}/sem")], "composite", "images", "lora"]
+    text = "# Evaluation results\n\n" + markdown_table(results, columns[:-1])
+    text += (
+        "\nmean and standard error of the mean over prompts x images; composite: the mean over rewards of each "
+        "model's z-score against the models in this table"
+    )
+    skipped = [n for n in names if n not in usable]
+    if skipped:
+        text += f" (left out, not scored on every model: {', '.join(skipped)})"
+    text += ".\n"
+    (output / "results.md").write_text(text, encoding="utf-8")
+    write_csv(output / "results.csv", results, columns)
