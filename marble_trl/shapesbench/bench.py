@@ -1,0 +1,257 @@
+"""Running ShapesBench: every method x every seed with the same budget, then a held-out evaluation of each run.
+
+One run = one :class:`~marble_trl.MarbleDiffusionNFTTrainer` on the pretrained base model (see
+:mod:`marble_trl.shapesbench.pretrain`), trained for ``Budget.steps`` optimizer steps of
+``Budget.prompts_per_step x Budget.num_generations`` images, then evaluated on a fixed held-out prompt set with fixed
+noise (every reward scored on every image, ``None`` where it does not apply). Runs execute in subprocesses (``jobs >=
+1``: peak memory per run, ``jobs`` at a time) or in this process one after another (``jobs = 0``). Each run writes
+``runs/<method>-seed<k>.json``; :mod:`marble_trl.shapesbench.report` turns those into the tables and plots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .methods import Method, StepTimer, all_methods, attach
+from .scorers import REWARD_NAMES, REWARDS, score_all
+from .world import COLUMNS, FAMILIES, all_scenes, eval_scenes, prompt_dataset
+
+LORA_TARGETS = [
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "proj_out",
+]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The training budget every method gets, and the evaluation protocol."""
+
+    steps: int = 20
+    num_generations: int = 8
+    prompts_per_step: int = 4
+    sample_steps: int = 6
+    learning_rate: float = 3e-3
+    lora_r: int = 8
+    beta: float = 0.0
+    nft_beta: float = 1.0
+    eval_per_family: int = 8
+    eval_images_per_prompt: int = 4
+    eval_seed: int = 12345
+    threads: int = 1
+
+
+def balanced_train_dataset():
+    """Every caption of the world, repeated so that each prompt family (source) is drawn equally often."""
+    scenes = all_scenes()
+    by_family = {f: [s for s in scenes if s.family == f] for f in FAMILIES}
+    most = max(len(v) for v in by_family.values())
+    rows = []
+    for family in FAMILIES:
+        pool = by_family[family]
+        rows += [pool[i % len(pool)] for i in range(most)]
+    return prompt_dataset(rows)
+
+
+def _config(method: Method, seed: int, budget: Budget, output_dir: str):
+    from ..nft_config import MarbleDiffusionNFTConfig
+
+    images = budget.prompts_per_step * budget.num_generations
+    return MarbleDiffusionNFTConfig(
+        output_dir=output_dir,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        max_steps=budget.steps,
+        learning_rate=budget.learning_rate,
+        per_device_train_batch_size=images,
+        num_generations=budget.num_generations,
+        prompts_per_step=budget.prompts_per_step,
+        resolution=32,
+        num_sample_steps=budget.sample_steps,
+        sample_scheduler="euler",
+        max_sequence_length=8,
+        lora_r=budget.lora_r,
+        lora_alpha=2 * budget.lora_r,
+        lora_target_modules=list(LORA_TARGETS),
+        beta=budget.beta,
+        nft_beta=budget.nft_beta,
+        use_cpu=True,
+        seed=seed,
+        **method.overrides,
+    )
+
+
+def evaluate(trainer: Any, budget: Budget, use_lora: bool = True) -> dict[str, Any]:
+    """Generate the held-out set with fixed noise and score every reward; per-reward means and per-family counts."""
+    scenes = [s for s in eval_scenes(budget.eval_per_family) for _ in range(budget.eval_images_per_prompt)]
+    prompts = [s.prompt for s in scenes]
+    columns = {c: [s.columns()[c] for s in scenes] for c in COLUMNS}
+    images = trainer.generate(prompts, seed=budget.eval_seed, use_lora=use_lora)
+    scores = score_all(prompts, images, columns)
+    means = {}
+    for name, values in scores.items():
+        xs = [v for v in values if v is not None]
+        means[name] = sum(xs) / len(xs) if xs else math.nan
+    return {"scores": means, "num_images": len(prompts), "images": images}
+
+
+def run_one(
+    method: Method, seed: int, budget: Budget, model: str, out_dir: Path, save_images: bool = False
+) -> dict[str, Any]:
+    """Train ``method`` with ``seed`` and evaluate it; writes and returns the run record."""
+    from ..nft_trainer import MarbleDiffusionNFTTrainer
+
+    torch.set_num_threads(budget.threads)
+    out_dir = Path(out_dir)
+    run_dir = out_dir / "runs"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    name = f"{method.name}-seed{seed}"
+    timer = StepTimer()
+    rewards = [REWARDS[r] for r in method.rewards]
+    start = time.perf_counter()
+    trainer = MarbleDiffusionNFTTrainer(
+        model,
+        reward_funcs=rewards,
+        args=_config(method, seed, budget, str(out_dir / "trainer" / name)),
+        train_dataset=balanced_train_dataset(),
+        callbacks=[timer],
+    )
+    weights_history = attach(trainer, method)
+    trainer.train()
+    train_seconds = time.perf_counter() - start
+    ev = evaluate(trainer, budget)
+    base = evaluate(trainer, budget, use_lora=False) if method.name == "weighted_sum" else None
+    record = {
+        "method": method.name,
+        "seed": seed,
+        "rewards": list(method.rewards),
+        "budget": asdict(budget),
+        "eval": ev["scores"],
+        "base_eval": base["scores"] if base else None,
+        "log_history": trainer.state.log_history,
+        "step_times": timer.step_times(),
+        "train_seconds": train_seconds,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "stage_weights": weights_history(),
+    }
+    (run_dir / f"{name}.json").write_text(json.dumps(record, default=_json_default))
+    if save_images:
+        torch.save({"eval": ev["images"], "base": base["images"] if base else None}, run_dir / f"{name}.images.pt")
+    return record
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return str(obj)
+
+
+def _subprocess_run(method: str, seed: int, budget: Budget, model: str, out_dir: Path, log: Path) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "marble_trl.shapesbench",
+        "_worker",
+        "--method",
+        method,
+        "--seed",
+        str(seed),
+        "--model",
+        model,
+        "--out",
+        str(out_dir),
+        "--budget",
+        json.dumps(asdict(budget)),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(budget.threads), "HF_HUB_OFFLINE": "1"}
+    with log.open("w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, check=False)
+    if proc.returncode:
+        raise RuntimeError(f"run {method} seed {seed} failed (exit {proc.returncode}); see {log}")
+
+
+def run_benchmark(
+    model: str,
+    out_dir: str | Path,
+    methods: Sequence[str] | None = None,
+    seeds: Sequence[int] = (0, 1, 2),
+    budget: Budget | None = None,
+    jobs: int = 2,
+    skip_existing: bool = False,
+) -> list[Path]:
+    """Run every (method, seed); returns the run-record paths. ``jobs=0`` runs in this process."""
+    budget = budget or Budget()
+    out_dir = Path(out_dir)
+    catalogue = all_methods()
+    names = list(methods) if methods else list(catalogue)
+    unknown = [n for n in names if n not in catalogue]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {list(catalogue)}")
+    if "weighted_sum" not in names:
+        raise ValueError("the method list must include 'weighted_sum' (the reference of Table 2 and the base row).")
+    (out_dir / "runs").mkdir(parents=True, exist_ok=True)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    todo = [(n, s) for s in seeds for n in names]
+    paths = [out_dir / "runs" / f"{n}-seed{s}.json" for n, s in todo]
+    pending = [(n, s) for (n, s), p in zip(todo, paths) if not (skip_existing and p.is_file())]
+    started = time.perf_counter()
+
+    def one(item: tuple[str, int]) -> None:
+        n, s = item
+        t0 = time.perf_counter()
+        if jobs == 0:
+            run_one(catalogue[n], s, budget, model, out_dir)
+        else:
+            _subprocess_run(n, s, budget, model, out_dir, out_dir / "logs" / f"{n}-seed{s}.log")
+        print(
+            f"[shapesbench] {n} seed {s}: {time.perf_counter() - t0:.0f} s "
+            f"(elapsed {time.perf_counter() - started:.0f} s)",
+            flush=True,
+        )
+
+    if jobs == 0:
+        for item in pending:
+            one(item)
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            list(pool.map(one, pending))
+    return paths
+
+
+def worker_main(argv: Sequence[str]) -> None:
+    """Entry point of one subprocess run (``python -m marble_trl.shapesbench _worker ...``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--method", required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--budget", required=True)
+    args = parser.parse_args(argv)
+    budget = Budget(**json.loads(args.budget))
+    run_one(all_methods()[args.method], args.seed, budget, args.model, Path(args.out))
+
+
+__all__ = ["Budget", "REWARD_NAMES", "balanced_train_dataset", "evaluate", "run_benchmark", "run_one"]

@@ -1,0 +1,140 @@
+"""The training methods ShapesBench compares, each a recipe for :class:`~marble_trl.MarbleDiffusionNFTTrainer`.
+
+Every method trains on the same world, prompts, budget (optimizer steps x images per step) and seed; only the way the
+rewards are combined differs:
+
+- ``only_<reward>``: one single-reward specialist per reward (plain DiffusionNFT);
+- ``weighted_sum``: ``multi_objective_aggregation="sum_then_normalize"`` (DiffusionNFT's multi-reward recipe);
+- ``normalize_then_sum``: GDPO's aggregation;
+- ``sequential``: hand-made stages, one reward per stage (a callback sets ``trainer.reward_weights`` to a one-hot
+  vector; the weighted-sum collator then trains on that reward alone);
+- ``marble``: MARBLE, N = 10, rho = 0.7 (the paper's setting);
+- ``marble_every_step``: MARBLE solving the QP at every step (N = 1);
+- ``fixed_uniform``: MARBLE with the QP replaced by fixed uniform coefficients (normalised gradients averaged with
+  ``alpha = 1/K`` at refreshes, ``A_bar = mean_k A_k`` in between): the paper's "fixed uniform alpha" ablation.
+
+The weighted-sum-type methods run with ``log_update_cosines=True`` so that Table S1 has cos(update, g_k) for them;
+MARBLE variants log ``marble/cos/*`` at their refresh steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+
+from .scorers import REWARD_NAMES
+
+# Stage order of the sequential baseline: specialists first, then the general rewards (a hand-made schedule).
+SEQUENTIAL_ORDER = ("color", "count", "position", "sharpness", "compressibility")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One training recipe: its rewards, config overrides and what to attach to the trainer."""
+
+    name: str
+    rewards: tuple[str, ...]
+    overrides: dict[str, Any] = field(default_factory=dict)
+    sequential: bool = False
+    uniform_solver: bool = False
+
+    @property
+    def multi_reward(self) -> bool:
+        return len(self.rewards) > 1
+
+
+def all_methods(rewards: tuple[str, ...] = tuple(REWARD_NAMES)) -> dict[str, Method]:
+    """Every method of the benchmark, keyed by name (specialists first)."""
+    weighted = {"multi_objective_aggregation": "sum_then_normalize", "log_update_cosines": True}
+    methods = [Method(f"only_{r}", (r,)) for r in rewards]
+    methods += [
+        Method("weighted_sum", rewards, weighted),
+        Method("normalize_then_sum", rewards, {**weighted, "multi_objective_aggregation": "normalize_then_sum"}),
+        Method("sequential", rewards, weighted, sequential=True),
+        Method("marble", rewards, {"multi_objective_aggregation": "marble", "marble_refresh_interval": 10}),
+        Method("marble_every_step", rewards, {"multi_objective_aggregation": "marble", "marble_refresh_interval": 1}),
+        Method(
+            "fixed_uniform",
+            rewards,
+            {"multi_objective_aggregation": "marble", "marble_refresh_interval": 10},
+            uniform_solver=True,
+        ),
+    ]
+    return {m.name: m for m in methods}
+
+
+def uniform_solver(gram_hat: np.ndarray):
+    """A stand-in for the min-norm QP that always answers uniform coefficients (the fixed-uniform ablation)."""
+    from ..balance.qp import QPResult
+
+    k = gram_hat.shape[0]
+    alpha = np.full(k, 1.0 / k)
+    alpha.flags.writeable = False
+    return QPResult(alpha, "uniform", True, 0.0)
+
+
+def stage_weights(step: int, max_steps: int, rewards: tuple[str, ...]) -> list[float]:
+    """The sequential schedule: equal-length stages in ``SEQUENTIAL_ORDER``, one-hot weights for step ``step``."""
+    order = [r for r in SEQUENTIAL_ORDER if r in rewards] + [r for r in rewards if r not in SEQUENTIAL_ORDER]
+    stage = min(len(order) - 1, step * len(order) // max(1, max_steps))
+    return [1.0 if r == order[stage] else 0.0 for r in rewards]
+
+
+class SequentialStages(TrainerCallback):
+    """Sets ``trainer.reward_weights`` to the current stage's one-hot vector.
+
+    The trainer reads ``reward_weights`` when it scores a step's rollouts, which happens before ``on_step_begin``;
+    the weights for step ``s`` are therefore set at the end of step ``s - 1`` (and at train begin for step 0).
+    """
+
+    def __init__(self, trainer: Any, rewards: tuple[str, ...]) -> None:
+        self.trainer = trainer
+        self.rewards = rewards
+        self.history: list[list[float]] = []
+
+    def _set(self, step: int, max_steps: int) -> None:
+        w = stage_weights(step, max_steps, self.rewards)
+        self.trainer.reward_weights = torch.tensor(w, dtype=torch.float32)
+        self.history.append(w)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._set(0, state.max_steps)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step < state.max_steps:
+            self._set(state.global_step, state.max_steps)
+
+
+class StepTimer(TrainerCallback):
+    """Wall-clock stamps at every optimizer-step end (rollouts, rewards, loss, balancer, update)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.stamps = [time.perf_counter()]
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.stamps.append(time.perf_counter())
+
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+
+def attach(trainer: Any, method: Method) -> Callable[[], list[list[float]]]:
+    """Attach a method's callbacks/patches to a built trainer; returns a getter of the sequential weights history."""
+    if method.uniform_solver:
+        if trainer.balancer is None:
+            raise ValueError(f"{method.name}: the fixed-uniform ablation needs MARBLE active (>= 2 rewards).")
+        trainer.balancer.solver = uniform_solver
+    if method.sequential:
+        stages = SequentialStages(trainer, method.rewards)
+        trainer.add_callback(stages)
+        return lambda: stages.history
+    return lambda: []

@@ -1,0 +1,214 @@
+"""The ShapesBench base model: a tiny SD3.5-architecture pipeline pretrained by flow matching on the world.
+
+Two stages, both on images drawn by :mod:`marble_trl.shapesbench.world`, deterministic from ``PretrainConfig.seed``
+(for a given number of CPU threads):
+
+1. the VAE as a plain autoencoder (MSE on the decoded posterior mean, a small latent L2 penalty); then the latent
+   ``shift_factor`` / ``scaling_factor`` are set so that training latents have mean 0 and std 1;
+2. the transformer and both tiny CLIP text encoders together by rectified flow: ``x_t = (1 - s) x0 + s eps``,
+   target ``v = eps - x0`` (``marble_trl.models.predict_velocity``), ``s`` drawn like the sampler's shifted grid.
+
+The result is saved with ``save_pretrained`` under ``~/.cache/marble_trl/shapesbench/<config hash>/`` (override with
+``$MARBLE_TRL_CACHE``), so ``load_sd3_pipeline(path)`` and ``MarbleDiffusionNFTTrainer(model=path)`` load it. A cached
+folder is reused; the folder is written atomically (temporary folder, then rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .world import all_scenes, sample_corpus, to_tensor
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """Everything that determines the base model (hashed into the cache folder name)."""
+
+    seed: int = 0
+    num_images: int = 12000
+    vae_steps: int = 800
+    vae_batch_size: int = 32
+    vae_lr: float = 2e-3
+    steps: int = 1200
+    batch_size: int = 64
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    num_layers: int = 4
+    heads: int = 4
+    head_dim: int = 16
+    text_hidden: int = 32
+    shift: float = 3.0
+    threads: int = 2
+
+    def key(self) -> str:
+        """A short hash of the config (and the format version): the cache folder name."""
+        blob = json.dumps({**asdict(self), "format": FORMAT_VERSION}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MARBLE_TRL_CACHE", Path.home() / ".cache" / "marble_trl")) / "shapesbench"
+
+
+def model_path(config: PretrainConfig) -> Path:
+    return cache_root() / config.key()
+
+
+def _log(message: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[shapesbench pretrain] {message}", flush=True)
+
+
+def _cosine_lr(step: int, total: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train_vae(vae, pixels: torch.Tensor, config: PretrainConfig, gen: torch.Generator, quiet: bool) -> float:
+    """Train the VAE as an autoencoder on ``pixels`` (``[N, 3, H, W]`` in ``[-1, 1]``); returns the last MSE."""
+    vae.train().requires_grad_(True)
+    opt = torch.optim.AdamW(vae.parameters(), lr=config.vae_lr, weight_decay=0.0)
+    loss_value = float("nan")
+    for step in range(config.vae_steps):
+        for group in opt.param_groups:
+            group["lr"] = config.vae_lr * _cosine_lr(step, config.vae_steps, config.warmup_steps)
+        idx = torch.randint(len(pixels), (config.vae_batch_size,), generator=gen)
+        x = pixels[idx]
+        z = vae.encode(x).latent_dist.mean
+        recon = vae.decode(z).sample
+        loss = torch.nn.functional.mse_loss(recon, x) + 1e-4 * z.pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        loss_value = loss.item()
+        if step % 100 == 0 or step == config.vae_steps - 1:
+            _log(f"vae step {step}/{config.vae_steps} mse {loss_value:.5f}", quiet)
+    vae.eval().requires_grad_(False)
+    return loss_value
+
+
+@torch.no_grad()
+def _encode_latents(vae, pixels: torch.Tensor, batch: int = 256) -> torch.Tensor:
+    return torch.cat([vae.encode(pixels[i : i + batch]).latent_dist.mean for i in range(0, len(pixels), batch)])
+
+
+def _encode_prompts(pipe, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    embeds, _, pooled, _ = pipe.encode_prompt(
+        prompt=prompts,
+        prompt_2=None,
+        prompt_3=None,
+        device=torch.device("cpu"),
+        num_images_per_prompt=1,
+        do_classifier_free_guidance=False,
+        max_sequence_length=8,
+    )
+    return embeds, pooled
+
+
+def train_flow(pipe, latents: torch.Tensor, prompt_idx: torch.Tensor, prompts: list[str], config, gen, quiet) -> float:
+    """Rectified-flow training of the transformer and the text encoders; returns the mean loss of the last 100
+    steps."""
+    modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+    params = [p for m in modules for p in m.parameters()]
+    for m in modules:
+        m.train().requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=1e-4)
+    recent: list[float] = []
+    from ..models import predict_velocity
+
+    for step in range(config.steps):
+        for group in opt.param_groups:
+            group["lr"] = config.lr * _cosine_lr(step, config.steps, config.warmup_steps)
+        idx = torch.randint(len(latents), (config.batch_size,), generator=gen)
+        x0 = latents[idx]
+        eps = torch.randn(x0.shape, generator=gen)
+        u = torch.rand(x0.shape[0], generator=gen)
+        sigma = config.shift * u / (1 + (config.shift - 1) * u)  # the sampler's shifted grid, as a density
+        s = sigma.view(-1, 1, 1, 1)
+        x_t = (1 - s) * x0 + s * eps
+        embeds, pooled = _encode_prompts(pipe, prompts)  # every distinct caption once, then indexed
+        pi = prompt_idx[idx]
+        v = predict_velocity(pipe.transformer, x_t, sigma, embeds[pi], pooled[pi])
+        loss = torch.nn.functional.mse_loss(v, eps - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        recent = (recent + [loss.item()])[-100:]
+        if step % 100 == 0 or step == config.steps - 1:
+            _log(f"flow step {step}/{config.steps} loss {sum(recent) / len(recent):.4f}", quiet)
+    for m in modules:
+        m.eval().requires_grad_(False)
+    return sum(recent) / len(recent)
+
+
+def pretrain(config: PretrainConfig | None = None, force: bool = False, quiet: bool = False) -> Path:
+    """Build (or reuse from the cache) the ShapesBench base model; returns its ``save_pretrained`` folder."""
+    from ..models import build_tiny_sd3_pipeline
+
+    config = config or PretrainConfig()
+    out = model_path(config)
+    if (out / "model_index.json").is_file() and not force:
+        _log(f"cached: {out}", quiet)
+        return out
+    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    rng_state = torch.random.get_rng_state()
+    torch.set_num_threads(config.threads)
+    try:
+        torch.manual_seed(config.seed)
+        gen = torch.Generator().manual_seed(config.seed)
+        scenes, images = sample_corpus(config.num_images, config.seed)
+        pixels = to_tensor(images) * 2 - 1
+        prompts = [s.prompt for s in all_scenes()]
+        where = {p: i for i, p in enumerate(prompts)}
+        prompt_idx = torch.tensor([where[s.prompt] for s in scenes])
+        pipe = build_tiny_sd3_pipeline(
+            seed=config.seed,
+            latent_size=16,
+            num_layers=config.num_layers,
+            hidden_heads=config.heads,
+            head_dim=config.head_dim,
+            text_hidden=config.text_hidden,
+        )
+        pipe.scheduler.register_to_config(shift=config.shift)
+        _log(f"corpus {len(scenes)} images; training the VAE ({config.vae_steps} steps)", quiet)
+        vae_mse = train_vae(pipe.vae, pixels, config, gen, quiet)
+        raw = _encode_latents(pipe.vae, pixels)
+        shift, scale = float(raw.mean()), float(1.0 / raw.std())
+        pipe.vae.register_to_config(shift_factor=shift, scaling_factor=scale)
+        latents = (raw - shift) * scale
+        _log(f"latent shift {shift:.4f} scale {scale:.4f}; flow matching ({config.steps} steps)", quiet)
+        flow_loss = train_flow(pipe, latents, prompt_idx, prompts, config, gen, quiet)
+    finally:
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng_state)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp)
+    info = {
+        "config": asdict(config),
+        "key": config.key(),
+        "vae_mse": vae_mse,
+        "flow_loss": flow_loss,
+        "seconds": time.perf_counter() - start,
+    }
+    (tmp / "shapesbench.json").write_text(json.dumps(info, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    _log(f"saved {out} in {info['seconds']:.0f} s", quiet)
+    return out

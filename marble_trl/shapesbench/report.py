@@ -1,0 +1,295 @@
+"""ShapesBench tables and plots from the run records (``runs/*.json``) written by :mod:`marble_trl.shapesbench.bench`.
+
+- **Table 1** (``table1_rewards``): held-out score of every reward per method, mean +- standard error over seeds, and
+  the composite z-score (``marble_trl.scores.composite_zscores`` over the methods and the base model, computed per
+  seed, then averaged);
+- **Table S1** (``tableS1_harmony``): update harmony over training steps: worst-reward cosine ``min_k cos(d, g_k)``,
+  mean cosine, variance of the cosines across rewards, conflict rate ``P(min_k cos < 0)``; over the rewards *with
+  signal* in that step (some group with spread). Weighted-sum-type methods: ``update_cos/*`` on every step; MARBLE
+  variants: ``marble/cos/*`` on refresh steps;
+- **Table 2** (``table2_cost``): median step time and peak RSS, relative to the weighted sum of the same seed;
+- plots: ``reward_curves.png``, ``coefficients.png``, ``cosine_hist.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..scores import composite_zscores, markdown_table, mean_sem, write_csv
+from .methods import all_methods
+from .scorers import REWARD_NAMES
+
+MULTI_REWARD_ORDER = (
+    "weighted_sum",
+    "normalize_then_sum",
+    "sequential",
+    "marble",
+    "marble_every_step",
+    "fixed_uniform",
+)
+
+
+def load_runs(out_dir: str | Path) -> list[dict[str, Any]]:
+    runs = [json.loads(p.read_text()) for p in sorted(Path(out_dir, "runs").glob("*.json"))]
+    if not runs:
+        raise FileNotFoundError(f"no run records under {Path(out_dir, 'runs')}; run the benchmark first.")
+    return runs
+
+
+def _method_order(runs: Sequence[dict[str, Any]]) -> list[str]:
+    present = {r["method"] for r in runs}
+    return [m for m in all_methods() if m in present]
+
+
+def _pm(mean: float, sem: float, digits: int = 3) -> str:
+    if math.isnan(mean):
+        return "n/a"
+    return f"{mean:.{digits}f}" if math.isnan(sem) else f"{mean:.{digits}f} ± {sem:.{digits}f}"
+
+
+def table1(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows for display (``mean ± sem`` strings) and raw rows (means, sems) of Table 1."""
+    methods = _method_order(runs)
+    seeds = sorted({r["seed"] for r in runs})
+    per_seed: dict[int, dict[str, dict[str, float]]] = defaultdict(dict)
+    for r in runs:
+        per_seed[r["seed"]][r["method"]] = r["eval"]
+        if r.get("base_eval"):
+            per_seed[r["seed"]]["base"] = r["base_eval"]
+    rows_order = (["base"] if any("base" in t for t in per_seed.values()) else []) + methods
+    composite: dict[str, list[float]] = defaultdict(list)
+    for seed in seeds:
+        table = {m: per_seed[seed][m] for m in rows_order if m in per_seed[seed]}
+        if len(table) >= 2:
+            for m, z in composite_zscores(table, columns=REWARD_NAMES).items():
+                composite[m].append(z)
+    display, raw = [], []
+    for m in rows_order:
+        d: dict[str, Any] = {"method": m}
+        w: dict[str, Any] = {"method": m}
+        for col in REWARD_NAMES:
+            mean, sem, n = mean_sem(per_seed[s][m][col] for s in seeds if m in per_seed[s])
+            d[col] = _pm(mean, sem)
+            w[col], w[f"{col}_sem"] = mean, sem
+        mean, sem, n = mean_sem(composite.get(m, []))
+        d["composite_z"] = _pm(mean, sem, 2)
+        w["composite_z"], w["composite_z_sem"], w["seeds"] = mean, sem, n
+        d["seeds"] = n
+        display.append(d)
+        raw.append(w)
+    return display, raw
+
+
+def _cosine_steps(run: dict[str, Any]) -> list[list[float]]:
+    """Per step, the cosines cos(update, g_k) of the rewards with signal in that step."""
+    prefix = "marble/cos/" if any("marble/cos/" + n in h for h in run["log_history"] for n in run["rewards"]) else None
+    prefix = prefix or "update_cos/"
+    out = []
+    for h in run["log_history"]:
+        cos = []
+        for name in run["rewards"]:
+            key = prefix + name
+            zero_std = h.get(f"rewards/{name}/frac_zero_std")
+            if key in h and h[key] is not None and zero_std is not None and zero_std < 1.0:
+                cos.append(float(h[key]))
+        if cos:
+            out.append(cos)
+    return out
+
+
+def tableS1(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Update-harmony statistics per multi-reward method (mean ± sem over seeds of per-run averages)."""
+    display, raw = [], []
+    for m in _method_order(runs):
+        stats: dict[str, list[float]] = defaultdict(list)
+        steps = 0
+        for r in (r for r in runs if r["method"] == m and len(r["rewards"]) > 1):
+            per_step = _cosine_steps(r)
+            if not per_step:
+                continue
+            steps += len(per_step)
+            worst = [min(c) for c in per_step]
+            stats["worst_cos"].append(statistics.fmean(worst))
+            stats["mean_cos"].append(statistics.fmean(statistics.fmean(c) for c in per_step))
+            stats["var_cos"].append(statistics.fmean(statistics.pvariance(c) for c in per_step))
+            stats["conflict_rate"].append(statistics.fmean(float(w < 0) for w in worst))
+        if not stats:
+            continue
+        d: dict[str, Any] = {"method": m, "steps": steps}
+        w: dict[str, Any] = {"method": m, "steps": steps}
+        for key in ("worst_cos", "mean_cos", "var_cos", "conflict_rate"):
+            mean, sem, _ = mean_sem(stats[key])
+            d[key] = _pm(mean, sem)
+            w[key], w[f"{key}_sem"] = mean, sem
+        display.append(d)
+        raw.append(w)
+    return display, raw
+
+
+def table2(runs: Sequence[dict[str, Any]], skip: int = 1) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Median step time and peak RSS per method, relative to the weighted sum of the same seed (median over seeds)."""
+    by = {(r["method"], r["seed"]): r for r in runs}
+    display, raw = [], []
+    for m in _method_order(runs):
+        speed, mem, step_ms, peak = [], [], [], []
+        for (method, seed), r in by.items():
+            if method != m:
+                continue
+            times = r["step_times"][skip:] or r["step_times"]
+            t = statistics.median(times)
+            step_ms.append(1000 * t)
+            peak.append(r["peak_rss_gib"])
+            base = by.get(("weighted_sum", seed))
+            if base:
+                tb = statistics.median(base["step_times"][skip:] or base["step_times"])
+                speed.append(tb / t)
+                mem.append(r["peak_rss_gib"] / base["peak_rss_gib"])
+        w = {
+            "method": m,
+            "step_ms": statistics.median(step_ms),
+            "relative_speed": statistics.median(speed) if speed else math.nan,
+            "peak_rss_gib": statistics.median(peak),
+            "relative_peak_rss": statistics.median(mem) if mem else math.nan,
+        }
+        raw.append(w)
+        display.append(
+            {
+                "method": m,
+                "step time (median)": f"{w['step_ms']:.0f} ms",
+                "speed vs weighted sum": f"{w['relative_speed']:.3f}x",
+                "peak RSS": f"{w['peak_rss_gib']:.2f} GiB",
+                "peak RSS vs weighted sum": f"{w['relative_peak_rss']:.3f}x",
+            }
+        )
+    return display, raw
+
+
+def _series(run: dict[str, Any], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for h in run["log_history"]:
+        if key in h and h[key] is not None and "step" in h:
+            xs.append(int(h["step"]))
+            ys.append(float(h[key]))
+    return xs, ys
+
+
+def _mean_curve(runs: Sequence[dict[str, Any]], key: str, smooth: int = 3) -> tuple[list[int], list[float]]:
+    acc: dict[int, list[float]] = defaultdict(list)
+    for r in runs:
+        for x, y in zip(*_series(r, key)):
+            acc[x].append(y)
+    xs = sorted(acc)
+    ys = [statistics.fmean(acc[x]) for x in xs]
+    if smooth > 1 and len(ys) >= smooth:
+        ys = [statistics.fmean(ys[max(0, i - smooth + 1) : i + 1]) for i in range(len(ys))]
+    return xs, ys
+
+
+def plots(runs: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Reward curves, MARBLE coefficient trajectories and cosine histograms as PNG files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    methods = _method_order(runs)
+    multi = [m for m in methods if m in MULTI_REWARD_ORDER]
+    by_method = {m: [r for r in runs if r["method"] == m] for m in methods}
+    files = []
+
+    fig, axes = plt.subplots(1, len(REWARD_NAMES), figsize=(4 * len(REWARD_NAMES), 3.4), squeeze=False)
+    for ax, name in zip(axes[0], REWARD_NAMES):
+        for m in [*multi, f"only_{name}"]:
+            if m not in by_method:
+                continue
+            xs, ys = _mean_curve(by_method[m], f"rewards/{name}/mean")
+            if xs:
+                ax.plot(xs, ys, label=m, linestyle="--" if m.startswith("only_") else "-")
+        ax.set_title(f"{name} (training batch, mean over seeds)", fontsize=9)
+        ax.set_xlabel("step")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    files.append(out_dir / "reward_curves.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    coef_methods = [m for m in ("marble", "marble_every_step", "sequential") if m in by_method]
+    fig, axes = plt.subplots(1, max(1, len(coef_methods)), figsize=(5 * max(1, len(coef_methods)), 3.4), squeeze=False)
+    for ax, m in zip(axes[0], coef_methods):
+        for k, name in enumerate(REWARD_NAMES):
+            if m == "sequential":
+                hist = by_method[m][0].get("stage_weights") or []
+                xs, ys = list(range(len(hist))), [w[k] for w in hist]
+            else:
+                xs, ys = _mean_curve(by_method[m], f"marble/alpha_bar/{name}", smooth=1)
+            if xs:
+                ax.plot(xs, ys, marker="o", markersize=3, label=name)
+        ax.set_title(f"{m}: {'stage weights' if m == 'sequential' else 'alpha_bar (mean over seeds)'}", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.02, 1.02)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    files.append(out_dir / "coefficients.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    bins = [i / 10 for i in range(-10, 11)]
+    for m in multi:
+        worst = [min(c) for r in by_method[m] for c in _cosine_steps(r)]
+        if worst:
+            ax.hist(worst, bins=bins, histtype="step", linewidth=1.5, label=f"{m} (n={len(worst)})", density=True)
+    ax.axvline(0.0, color="k", linewidth=0.8)
+    ax.set_xlabel("worst-reward cosine min_k cos(update, g_k) per step")
+    ax.set_ylabel("density")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(out_dir / "cosine_hist.png")
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def write_report(out_dir: str | Path, make_plots: bool = True) -> str:
+    """Write ``table1_rewards``, ``tableS1_harmony``, ``table2_cost`` (.md and .csv), the plots, and
+    ``report.md`` (all three tables); returns the markdown."""
+    out_dir = Path(out_dir)
+    runs = load_runs(out_dir)
+    seeds = sorted({r["seed"] for r in runs})
+    budget = runs[0]["budget"]
+    sections = [
+        f"ShapesBench: {len({r['method'] for r in runs})} methods x seeds {seeds}; budget {budget['steps']} steps x "
+        f"{budget['prompts_per_step']} prompts x {budget['num_generations']} images; held-out "
+        f"{budget['eval_per_family']} prompts per family x {budget['eval_images_per_prompt']} images.\n"
+    ]
+    t1d, t1r = table1(runs)
+    cols1 = ["method", *REWARD_NAMES, "composite_z"]
+    sections.append("## Table 1: held-out rewards (mean ± s.e.m. over seeds)\n\n" + markdown_table(t1d, cols1))
+    write_csv(out_dir / "table1_rewards.csv", t1r, list(t1r[0]))
+    (out_dir / "table1_rewards.md").write_text(markdown_table(t1d, cols1))
+
+    tsd, tsr = tableS1(runs)
+    cols_s = ["method", "worst_cos", "mean_cos", "var_cos", "conflict_rate", "steps"]
+    sections.append("## Table S1: update harmony (mean ± s.e.m. over seeds)\n\n" + markdown_table(tsd, cols_s))
+    if tsr:
+        write_csv(out_dir / "tableS1_harmony.csv", tsr, list(tsr[0]))
+    (out_dir / "tableS1_harmony.md").write_text(markdown_table(tsd, cols_s))
+
+    t2d, t2r = table2(runs)
+    cols2 = list(t2d[0])
+    sections.append("## Table 2: cost (median over seeds)\n\n" + markdown_table(t2d, cols2))
+    write_csv(out_dir / "table2_cost.csv", t2r, list(t2r[0]))
+    (out_dir / "table2_cost.md").write_text(markdown_table(t2d, cols2))
+
+    if make_plots:
+        plots(runs, out_dir)
+    text = "\n".join(sections)
+    (out_dir / "report.md").write_text(text)
+    return text

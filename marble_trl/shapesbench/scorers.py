@@ -1,0 +1,204 @@
+"""ShapesBench rewards: classical vision on the image itself, no learned weights.
+
+All follow the reward contract of :mod:`marble_trl.rewards.base`: ``fn(prompts, images, **columns)`` with ``images``
+a float tensor ``[B, 3, H, W]`` in ``[0, 1]``, returning one float per image, or ``None`` where the reward does not
+apply. Every score lies in ``[0, 1]``.
+
+General rewards (apply to every prompt):
+
+- ``sharpness``:        variance of the grey-level Laplacian, squashed ``v / (v + 0.02)``: crisp edges score high,
+  blur and flat images low;
+- ``compressibility``:  how small a quality-95 JPEG of the image is: ``(2.0 kB - size) / 1.4 kB``, clipped; flat
+  images score high, noise low. It pulls against ``sharpness`` (edges cost bytes).
+
+Specialist rewards (a GenEval in miniature; ``None`` outside their prompt family), computed on the *foreground*:
+pixels that are bright (``max(rgb) > 0.35``) and saturated (``(max - min) / max > 0.45``), the way the world draws
+objects:
+
+- ``color``:     fraction of foreground pixels whose hue is nearest the prompt's colour, times a presence factor
+  ``min(1, area / 40 px)``;
+- ``count``:     connected foreground components (4-connected, at least 3 px) against the prompt's number:
+  ``max(0, 1 - |found - asked| / 2)`` (exact 1, off by one 0.5);
+- ``position``:  the foreground centroid's displacement ``d`` from the centre towards the prompt's side (in half-widths),
+  ``clip(0.5 + 1.25 d, 0, 1)``, times the presence factor ``min(1, area / 20 px)``.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .world import COLORS, NUMBERS
+
+FG_MIN_VALUE = 0.35
+FG_MIN_SATURATION = 0.45
+MIN_COMPONENT_PX = 3
+SHARPNESS_SCALE = 0.02
+JPEG_FLAT_KB, JPEG_SPAN_KB = 2.0, 1.4
+
+
+def _hue_degrees(rgb: tuple[int, int, int]) -> float:
+    x = torch.tensor(rgb, dtype=torch.float32).view(1, 3, 1, 1) / 255.0
+    return float(hue(x)[0, 0, 0])
+
+
+def hue(images: torch.Tensor) -> torch.Tensor:
+    """HSV hue in degrees ``[0, 360)`` of ``[B, 3, H, W]`` images, ``[B, H, W]`` (0 for grey pixels)."""
+    r, g, b = images[:, 0], images[:, 1], images[:, 2]
+    mx, _ = images.max(dim=1)
+    mn, _ = images.min(dim=1)
+    delta = (mx - mn).clamp(min=1e-6)
+    h = torch.where(
+        mx == r,
+        ((g - b) / delta) % 6,
+        torch.where(mx == g, (b - r) / delta + 2, (r - g) / delta + 4),
+    )
+    return (h * 60.0) % 360.0
+
+
+PALETTE_HUES: dict[str, float] = {name: _hue_degrees(rgb) for name, rgb in COLORS.items()}
+
+
+def foreground(images: torch.Tensor) -> torch.Tensor:
+    """``[B, H, W]`` booleans: bright, saturated pixels (the objects; the world's background is near-black)."""
+    x = images.float()
+    mx, _ = x.max(dim=1)
+    mn, _ = x.min(dim=1)
+    return (mx > FG_MIN_VALUE) & ((mx - mn) / mx.clamp(min=1e-6) > FG_MIN_SATURATION)
+
+
+def nearest_color(images: torch.Tensor) -> torch.Tensor:
+    """``[B, H, W]`` index into ``list(COLORS)`` of the palette hue nearest each pixel's hue (circular distance)."""
+    h = hue(images.float())
+    centres = torch.tensor(list(PALETTE_HUES.values()))
+    diff = (h[..., None] - centres).abs()
+    return torch.minimum(diff, 360.0 - diff).argmin(dim=-1)
+
+
+def count_components(mask: np.ndarray, min_size: int = MIN_COMPONENT_PX) -> int:
+    """Number of 4-connected components of a 2-D boolean mask with at least ``min_size`` pixels."""
+    h, w = mask.shape
+    seen = np.zeros_like(mask, dtype=bool)
+    found = 0
+    for y0, x0 in zip(*np.nonzero(mask)):
+        if seen[y0, x0]:
+            continue
+        seen[y0, x0] = True
+        stack, size = [(y0, x0)], 0
+        while stack:
+            y, x = stack.pop()
+            size += 1
+            for ny, nx in ((y - 1, x), (y + 1, x), (y, x - 1), (y, x + 1)):
+                if 0 <= ny < h and 0 <= nx < w and mask[ny, nx] and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    stack.append((ny, nx))
+        found += size >= min_size
+    return found
+
+
+def _applies(family: Sequence[str] | None, i: int, name: str) -> bool:
+    return family is not None and family[i] == name
+
+
+def color(prompts: list[str], images: torch.Tensor, family=None, color=None, **_) -> list[float | None]:
+    """Colour match for ``color`` prompts (``None`` elsewhere): share of the foreground in the asked colour."""
+    fg = foreground(images)
+    nearest = nearest_color(images)
+    names = list(COLORS)
+    out: list[float | None] = []
+    for i in range(len(prompts)):
+        if not _applies(family, i, "color"):
+            out.append(None)
+            continue
+        area = int(fg[i].sum())
+        if area == 0:
+            out.append(0.0)
+            continue
+        frac = float((nearest[i][fg[i]] == names.index(color[i])).float().mean())
+        out.append(frac * min(1.0, area / 40.0))
+    return out
+
+
+def count(prompts: list[str], images: torch.Tensor, family=None, count=None, **_) -> list[float | None]:
+    """Object count for ``count`` prompts (``None`` elsewhere): 1 if exact, 0.5 if off by one, else 0."""
+    fg = foreground(images).numpy()
+    out: list[float | None] = []
+    for i in range(len(prompts)):
+        if not _applies(family, i, "count"):
+            out.append(None)
+            continue
+        asked = int(count[i])
+        if asked not in NUMBERS:
+            raise ValueError(f"count prompt {prompts[i]!r} asks for {asked} objects; the world has {list(NUMBERS)}")
+        out.append(max(0.0, 1.0 - abs(count_components(fg[i]) - asked) / 2.0))
+    return out
+
+
+_DIRECTIONS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "top": (0.0, -1.0), "bottom": (0.0, 1.0)}
+
+
+def position(prompts: list[str], images: torch.Tensor, family=None, position=None, **_) -> list[float | None]:
+    """Placement for ``position`` prompts (``None`` elsewhere): how far the objects sit towards the asked side."""
+    fg = foreground(images).float()
+    _, h, w = fg.shape
+    ys = torch.arange(h, dtype=torch.float32)[:, None]
+    xs = torch.arange(w, dtype=torch.float32)[None, :]
+    out: list[float | None] = []
+    for i in range(len(prompts)):
+        if not _applies(family, i, "position"):
+            out.append(None)
+            continue
+        area = float(fg[i].sum())
+        if area == 0:
+            out.append(0.0)
+            continue
+        cx = float((fg[i] * xs).sum()) / area
+        cy = float((fg[i] * ys).sum()) / area
+        dx, dy = _DIRECTIONS[position[i]]
+        d = (dx * (cx - (w - 1) / 2) + dy * (cy - (h - 1) / 2)) / (w / 2 if dx else h / 2)
+        out.append(float(np.clip(0.5 + 1.25 * d, 0.0, 1.0)) * min(1.0, area / 20.0))
+    return out
+
+
+def laplacian_variance(images: torch.Tensor) -> torch.Tensor:
+    """``[B]`` variance of the 4-neighbour Laplacian of the grey-level image (interior pixels)."""
+    g = images.float().mean(dim=1)
+    lap = 4 * g[:, 1:-1, 1:-1] - g[:, :-2, 1:-1] - g[:, 2:, 1:-1] - g[:, 1:-1, :-2] - g[:, 1:-1, 2:]
+    return lap.flatten(1).var(dim=1)
+
+
+def sharpness(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
+    """Edge sharpness ``v / (v + 0.02)`` with ``v`` the Laplacian variance: high for crisp edges, low for blur."""
+    v = laplacian_variance(images)
+    return (v / (v + SHARPNESS_SCALE)).tolist()
+
+
+def jpeg_kb(images: torch.Tensor, quality: int = 95) -> list[float]:
+    """Size in kB of each image saved as a JPEG at ``quality``."""
+    arr = (images.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    sizes = []
+    for a in arr:
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, format="JPEG", quality=quality)
+        sizes.append(buf.tell() / 1000.0)
+    return sizes
+
+
+def compressibility(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
+    """JPEG compressibility ``clip((2.0 - kB) / 1.4, 0, 1)`` at quality 95: flat images high, noise low."""
+    return [float(np.clip((JPEG_FLAT_KB - kb) / JPEG_SPAN_KB, 0.0, 1.0)) for kb in jpeg_kb(images)]
+
+
+GENERAL_REWARDS = {"sharpness": sharpness, "compressibility": compressibility}
+SPECIALIST_REWARDS = {"color": color, "count": count, "position": position}
+REWARDS = {**GENERAL_REWARDS, **SPECIALIST_REWARDS}
+REWARD_NAMES = list(REWARDS)
+
+
+def score_all(prompts: list[str], images: torch.Tensor, columns: dict[str, list]) -> dict[str, list[float | None]]:
+    """Every ShapesBench reward on a batch: ``{name: values}``."""
+    return {name: fn(prompts, images, **columns) for name, fn in REWARDS.items()}

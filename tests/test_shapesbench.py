@@ -1,0 +1,193 @@
+"""ShapesBench: the world, its scorers on images drawn with known content, and a reduced end-to-end benchmark."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from marble_trl.shapesbench import scorers as S
+from marble_trl.shapesbench import world
+from marble_trl.shapesbench.world import Scene, render, to_tensor
+
+
+def _batch(scenes: list[Scene], seed: int = 0) -> tuple[list[str], torch.Tensor, dict[str, list]]:
+    images = to_tensor(np.stack([render(s, seed + i) for i, s in enumerate(scenes)]))
+    columns = {c: [s.columns()[c] for s in scenes] for c in world.COLUMNS}
+    return [s.prompt for s in scenes], images, columns
+
+
+def _family(name: str) -> list[Scene]:
+    return [s for s in world.all_scenes() if s.family == name]
+
+
+def test_world_captions_and_metadata():
+    scenes = world.all_scenes()
+    assert len({s.prompt for s in scenes}) == len(scenes) == 76
+    assert {s.family for s in scenes} == set(world.FAMILIES)
+    ds = world.prompt_dataset()
+    assert {"prompt", *world.COLUMNS} <= set(ds.column_names)
+    assert ds[0]["source"] == ds[0]["family"]
+    a, b = render(scenes[0], 3), render(scenes[0], 3)
+    assert a.shape == (32, 32, 3) and a.dtype == np.uint8 and (a == b).all()  # deterministic from the seed
+    assert len(world.eval_scenes(8)) == 8 * 3 + 4
+
+
+def test_rewards_apply_only_to_their_family():
+    prompts, images, columns = _batch(world.all_scenes())
+    scores = S.score_all(prompts, images, columns)
+    for name in S.SPECIALIST_REWARDS:
+        for fam, value in zip(columns["family"], scores[name]):
+            assert (value is None) == (fam != name)
+    for name in S.GENERAL_REWARDS:
+        assert all(v is not None and 0.0 <= v <= 1.0 for v in scores[name])
+
+
+@pytest.mark.parametrize("name", ["color", "count", "position"])
+def test_specialists_score_the_truth_high(name):
+    prompts, images, columns = _batch(_family(name) * 3)
+    values = S.REWARDS[name](prompts, images, **columns)
+    assert min(values) >= 0.75 and np.mean(values) >= 0.95
+
+
+def test_color_scores_wrong_colour_low():
+    truth = _family("color")
+    wrong = [
+        Scene(s.prompt, "color", shape=s.shape, color=next(c for c in world.COLORS if c != s.color)) for s in truth
+    ]
+    prompts, images, _ = _batch(wrong)  # drawn in another colour, scored against the prompt's colour
+    columns = {c: [s.columns()[c] for s in truth] for c in world.COLUMNS}
+    assert max(S.color(prompts, images, **columns)) <= 0.05
+    blank = torch.full_like(images, 13 / 255)
+    assert max(S.color(prompts, blank, **columns)) == 0.0
+
+
+def test_count_scores_wrong_counts_low():
+    for asked in (1, 2, 3, 4):
+        for drawn in (1, 2, 3, 4):
+            scenes = [Scene("x", "count", shape="circle", count=drawn)] * 4
+            _, images, _ = _batch(scenes, seed=10 * drawn)
+            values = S.count(["x"] * 4, images, family=["count"] * 4, count=[asked] * 4)
+            assert values == [max(0.0, 1 - abs(drawn - asked) / 2)] * 4
+
+
+def test_position_scores_wrong_side_low():
+    opposite = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
+    truth = _family("position")
+    prompts, images, columns = _batch(truth)
+    wrong = dict(columns, position=[opposite[p] for p in columns["position"]])
+    assert max(S.position(prompts, images, **wrong)) <= 0.2
+    assert np.mean(S.position(prompts, images, **columns)) >= 0.9
+
+
+def test_general_rewards_rank_blur_noise_and_flat():
+    prompts, images, _ = _batch(world.all_scenes())
+    blur = torch.nn.functional.avg_pool2d(images, 3, 1, 1)
+    noise = torch.rand(images.shape, generator=torch.Generator().manual_seed(0))
+    flat = torch.full_like(images, 0.3)
+    sharp = {k: np.mean(S.sharpness(prompts, x)) for k, x in [("truth", images), ("blur", blur), ("flat", flat)]}
+    assert sharp["truth"] > 0.4 > 0.15 > sharp["blur"] > sharp["flat"] == 0.0
+    comp = {
+        k: np.mean(S.compressibility(prompts, x)) for k, x in [("truth", images), ("noise", noise), ("flat", flat)]
+    }
+    assert comp["flat"] > comp["truth"] > 0.5 > 0.3 > comp["noise"]
+
+
+def test_count_components():
+    mask = np.zeros((8, 8), dtype=bool)
+    mask[0:2, 0:2] = True
+    mask[5:7, 5:7] = True
+    mask[0, 7] = True  # one pixel: below the minimum size
+    assert S.count_components(mask) == 2
+
+
+def test_methods_catalogue_and_stage_schedule():
+    from marble_trl.shapesbench.methods import all_methods, stage_weights
+
+    methods = all_methods()
+    assert {f"only_{r}" for r in S.REWARD_NAMES} <= set(methods)
+    for name in ("weighted_sum", "normalize_then_sum", "sequential", "marble", "marble_every_step", "fixed_uniform"):
+        assert name in methods
+    assert methods["marble"].overrides["marble_refresh_interval"] == 10
+    assert methods["marble_every_step"].overrides["marble_refresh_interval"] == 1
+    rewards = tuple(S.REWARD_NAMES)
+    schedule = [stage_weights(s, 10, rewards) for s in range(10)]
+    assert all(sum(w) == 1.0 for w in schedule)
+    assert [rewards[w.index(1.0)] for w in schedule[::2]] == [
+        "color",
+        "count",
+        "position",
+        "sharpness",
+        "compressibility",
+    ]
+
+
+@pytest.mark.slow
+def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
+    """A tiny pretraining, one seed, three methods, two steps: every table and plot is written and finite."""
+    from marble_trl.shapesbench.__main__ import main
+
+    monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    main(
+        [
+            "run",
+            "--out",
+            str(out),
+            "--seeds",
+            "0",
+            "--jobs",
+            "0",
+            "--methods",
+            "only_color",
+            "weighted_sum",
+            "marble",
+            "--steps",
+            "2",
+            "--num-generations",
+            "4",
+            "--prompts-per-step",
+            "4",
+            "--sample-steps",
+            "2",
+            "--eval-per-family",
+            "1",
+            "--eval-images-per-prompt",
+            "2",
+            "--pretrain-num-images",
+            "64",
+            "--pretrain-vae-steps",
+            "3",
+            "--pretrain-steps",
+            "3",
+            "--pretrain-warmup-steps",
+            "1",
+            "--pretrain-batch-size",
+            "8",
+            "--pretrain-num-layers",
+            "2",
+            "--pretrain-heads",
+            "2",
+        ]
+    )
+    methods = ["base", "only_color", "weighted_sum", "marble"]
+    rows = list(csv.DictReader((out / "table1_rewards.csv").open()))
+    assert [r["method"] for r in rows] == methods
+    for row in rows:
+        for name in S.REWARD_NAMES:
+            assert math.isfinite(float(row[name])), (row["method"], name)
+        assert math.isfinite(float(row["composite_z"]))
+    harmony = list(csv.DictReader((out / "tableS1_harmony.csv").open()))
+    assert {r["method"] for r in harmony} == {"weighted_sum", "marble"}
+    assert all(-1 <= float(r["worst_cos"]) <= 1 and 0 <= float(r["conflict_rate"]) <= 1 for r in harmony)
+    cost = list(csv.DictReader((out / "table2_cost.csv").open()))
+    assert [r["method"] for r in cost] == methods[1:]
+    assert all(float(r["relative_speed"]) > 0 and float(r["relative_peak_rss"]) > 0 for r in cost)
+    report = (out / "report.md").read_text()
+    for name in [*methods, *S.REWARD_NAMES]:
+        assert name in report
+    for png in ("reward_curves.png", "coefficients.png", "cosine_hist.png"):
+        assert (out / png).stat().st_size > 1000
