@@ -5,7 +5,9 @@
 - ``marble-trl export --checkpoint DIR --output DIR [--ema] [--format diffusers|peft]``: a checkpoint as a publishable
   LoRA folder with a model card (:mod:`marble_trl.export`), optionally pushed to the Hub;
 - ``marble-trl generate --model tiny|PATH --lora DIR --prompts ... --output DIR``: images from a base model plus a
-  LoRA, loaded with diffusers' ``load_lora_weights``.
+  LoRA, loaded with diffusers' ``load_lora_weights``;
+- ``marble-trl evaluate --model tiny|PATH [--lora DIR ...] --prompts SOURCE --reward_funcs ... --output DIR``: scores
+  the base model and each LoRA / checkpoint on a prompt set (:mod:`marble_trl.evaluation`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,26 @@ class MarbleScriptArguments:
             ".json/.jsonl/.csv/.parquet file or a Hub dataset id with a 'prompt' column."
         },
     )
-    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on (datasets files/ids)."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on (Hub dataset ids)."})
+    dataset_prompt_column: str = field(
+        default="prompt", metadata={"help": "Column of dataset_name / eval_dataset_name holding the prompts."}
+    )
+    dataset_mixture: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Several prompt sources instead of dataset_name: 'PATH' or 'PATH=RATIO' strings, or (YAML) dicts "
+            "with keys path, ratio, name, split, subset, prompt_column, columns, max_prompts (docs/data.md). Adds a "
+            "'source' column; ratios set source_ratios."
+        },
+    )
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Prompts for evaluation during training (eval_strategy / eval_steps): 'bundled', a file or a Hub "
+            "dataset id, like dataset_name."
+        },
+    )
+    dataset_test_split: str = field(default="test", metadata={"help": "Split of eval_dataset_name (Hub dataset ids)."})
     reward_funcs: list[str] = field(
         default_factory=list,
         metadata={
@@ -54,22 +75,53 @@ class MarbleScriptArguments:
     )
     sample_grid_seeds: int = field(default=2, metadata={"help": "Seeds per prompt in the before/after sample grid."})
 
+    def __post_init__(self) -> None:
+        from .sources import as_sources, mixture_ratios
 
-def load_train_dataset(name: str, split: str = "train"):
-    """Load the prompt dataset named by ``dataset_name``."""
-    from .data import load_prompt_dataset
+        if isinstance(self.dataset_mixture, (str, dict)):
+            self.dataset_mixture = [self.dataset_mixture]
+        if self.dataset_mixture:
+            if self.dataset_name != "bundled":
+                raise ValueError(
+                    f"Both dataset_name ({self.dataset_name!r}) and dataset_mixture are set: put every source in "
+                    "dataset_mixture and drop dataset_name."
+                )
+            self.dataset_mixture = as_sources(self.dataset_mixture)
+            mixture_ratios(self.dataset_mixture)  # all ratios or none, a positive sum: fail before loading the model
 
-    if name == "bundled" or name.endswith(".txt"):
-        return load_prompt_dataset(name)
-    from datasets import load_dataset
 
-    path = Path(name).expanduser()
-    suffix = path.suffix.lstrip(".")
-    if suffix in ("json", "jsonl", "csv", "parquet"):
-        if not path.is_file():
-            raise FileNotFoundError(f"dataset_name {name!r} does not exist.")
-        return load_dataset("json" if suffix == "jsonl" else suffix, data_files=str(path), split=split)
-    return load_dataset(name, split=split)
+def load_train_dataset(name: str, split: str = "train", prompt_column: str = "prompt"):
+    """Load the prompt dataset named by ``dataset_name`` (see :func:`marble_trl.sources.load_source`)."""
+    from .sources import PromptSource, load_source
+
+    return load_source(PromptSource(path=name, split=split, prompt_column=prompt_column))
+
+
+def load_script_datasets(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTConfig):
+    """The train dataset (``dataset_name`` or ``dataset_mixture``, whose ratios become ``source_ratios``) and the
+    eval dataset (``eval_dataset_name``, or ``None``)."""
+    from .sources import load_prompt_sources, mixture_ratios
+
+    if script_args.dataset_mixture:
+        dataset = load_prompt_sources(script_args.dataset_mixture, add_source_column=True)
+        ratios = mixture_ratios(script_args.dataset_mixture)
+        if ratios is not None:
+            if training_args.source_ratios is not None and training_args.source_ratios != ratios:
+                raise ValueError(
+                    f"source_ratios ({training_args.source_ratios}) disagrees with the ratios of dataset_mixture "
+                    f"({ratios}); set the ratios in one place."
+                )
+            training_args.source_ratios = ratios
+    else:
+        dataset = load_train_dataset(
+            script_args.dataset_name, script_args.dataset_train_split, script_args.dataset_prompt_column
+        )
+    eval_dataset = None
+    if script_args.eval_dataset_name is not None:
+        eval_dataset = load_train_dataset(
+            script_args.eval_dataset_name, script_args.dataset_test_split, script_args.dataset_prompt_column
+        )
+    return dataset, eval_dataset
 
 
 def _resolve_dtype(name: str, training_args: MarbleDiffusionNFTConfig):
@@ -91,10 +143,12 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
     if not script_args.reward_funcs:
         raise ValueError("reward_funcs is empty: name at least one reward (e.g. --reward_funcs brightness).")
     start = time.perf_counter()
-    dataset = load_train_dataset(script_args.dataset_name, script_args.dataset_train_split)
+    dataset, eval_dataset = load_script_datasets(script_args, training_args)
     dtype = _resolve_dtype(script_args.torch_dtype, training_args)
     pipeline = load_sd3_pipeline(script_args.model_name_or_path, torch_dtype=dtype, tiny_seed=script_args.tiny_seed)
-    trainer = MarbleDiffusionNFTTrainer(pipeline, script_args.reward_funcs, args=training_args, train_dataset=dataset)
+    trainer = MarbleDiffusionNFTTrainer(
+        pipeline, script_args.reward_funcs, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset
+    )
     out = Path(training_args.output_dir)
     grid_prompts = list(dict.fromkeys(dataset["prompt"]))[: script_args.sample_grid_prompts]
     seeds = range(script_args.sample_grid_seeds)
@@ -176,6 +230,93 @@ def _generate_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _evaluate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="marble-trl evaluate",
+        description="Score a base model and LoRAs / checkpoints on a prompt set: results.md, results.csv, per-model "
+        "scores.jsonl (resumable) and image grids.",
+    )
+    p.add_argument("--model", default="tiny", help="'tiny', a local diffusers SD3/SD3.5 folder or a Hub id.")
+    p.add_argument(
+        "--lora",
+        nargs="*",
+        default=[],
+        help="LoRA folders to compare (output_dir, checkpoint-N, export folders); each is one model, named by folder.",
+    )
+    p.add_argument("--no_base", action="store_true", help="Do not evaluate the base model alone.")
+    p.add_argument(
+        "--weight_name", help="LoRA file inside each --lora folder (e.g. param_ema.safetensors in a checkpoint)."
+    )
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        default=["bundled"],
+        help="Prompt source(s): 'bundled', a .txt/.json/.jsonl/.csv/.parquet file or a Hub dataset id (several: "
+        "concatenated, with a 'source' column).",
+    )
+    p.add_argument("--split", default="test", help="Split of a Hub dataset id.")
+    p.add_argument("--prompt_column", default="prompt", help="Column holding the prompts.")
+    p.add_argument("--max_prompts", type=int, help="Use only the first this many prompts of each source.")
+    p.add_argument("--reward_funcs", nargs="+", required=True, help="Reward names or dotted paths (docs/rewards.md).")
+    p.add_argument("--reward_kwargs", help="Per-reward options as a JSON object keyed by reward name.")
+    p.add_argument("--num_images_per_prompt", type=int, default=1, help="Images per prompt, each with its own seed.")
+    p.add_argument("--num_sample_steps", type=int, default=40, help="Sampler steps (reference evaluation: 40).")
+    p.add_argument("--scheduler", default="euler", help="euler (reference), heun, dpm2, pipeline or a class name.")
+    p.add_argument("--guidance_scale", type=float, default=1.0, help="CFG scale (reference evaluation: 1.0).")
+    p.add_argument("--negative_prompt", default="", help="Negative prompt (with --guidance_scale > 1).")
+    p.add_argument(
+        "--resolution", type=int, help="Image size (default: the first LoRA's training size, else the model's)."
+    )
+    p.add_argument("--max_sequence_length", type=int, help="T5 prompt length (default: the LoRA's, else 256).")
+    p.add_argument("--seed", type=int, default=0, help="Image i of prompt p uses noise seeded from (seed, p, i).")
+    p.add_argument("--batch_size", type=int, default=8, help="Images per pipeline call.")
+    p.add_argument("--grid_prompts", type=int, default=8, help="Prompts in each model's grid.png (0: no grid).")
+    p.add_argument("--output", required=True, help="Folder for results.md, results.csv and one folder per model.")
+    p.add_argument("--tiny_seed", type=int, default=0, help="Seed of the tiny model (--model tiny).")
+    p.add_argument("--torch_dtype", choices=DTYPES, default="auto", help="'auto': bf16 on CUDA, else float32.")
+    p.add_argument("--device", help="Default: cuda if available, else cpu.")
+    p.add_argument("--no_progress", action="store_true", help="No progress bar.")
+    return p
+
+
+def evaluate_command(argv: list[str]) -> list[dict]:
+    import torch
+
+    from .evaluation import EvalSettings, evaluate_models, model_specs
+    from .scores import markdown_table
+    from .sources import PromptSource, load_prompt_sources
+
+    a = _evaluate_parser().parse_args(argv)
+    try:
+        reward_kwargs = json.loads(a.reward_kwargs) if a.reward_kwargs else {}
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--reward_kwargs must be a JSON object keyed by reward name: {err}.") from err
+    settings = EvalSettings(
+        reward_funcs=a.reward_funcs, num_images_per_prompt=a.num_images_per_prompt,
+        num_sample_steps=a.num_sample_steps, scheduler=a.scheduler, guidance_scale=a.guidance_scale,
+        negative_prompt=a.negative_prompt, resolution=a.resolution, max_sequence_length=a.max_sequence_length,
+        seed=a.seed, batch_size=a.batch_size, grid_prompts=a.grid_prompts, reward_kwargs=reward_kwargs,
+    )  # fmt: skip
+    from .rewards import resolve_reward_funcs
+
+    resolve_reward_funcs(list(a.reward_funcs), reward_kwargs)  # unknown rewards fail before any image is made
+    models = model_specs(a.lora, include_base=not a.no_base, weight_name=a.weight_name)
+    sources = [
+        PromptSource(path=path, split=a.split, prompt_column=a.prompt_column, max_prompts=a.max_prompts)
+        for path in a.prompts
+    ]
+    dataset = load_prompt_sources(sources)
+    dtype = None if a.torch_dtype == "auto" else getattr(torch, a.torch_dtype)
+    results = evaluate_models(
+        a.model, models, dataset, settings, a.output, tiny_seed=a.tiny_seed, torch_dtype=dtype, device=a.device,
+        progress=not a.no_progress,
+    )  # fmt: skip
+    columns = ["model", *[f"{n}/mean" for n in a.reward_funcs if f"{n}/mean" in results[0]], "composite"]
+    print(markdown_table(results, columns), end="")
+    print(f"[marble-trl] evaluated {len(models)} model(s) on {len(dataset)} prompts -> {a.output}")
+    return results
+
+
 def export_command(argv: list[str]) -> dict:
     from .export import export_checkpoint
 
@@ -217,9 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     top = argparse.ArgumentParser(prog="marble-trl", description="Multi-reward RL for text-to-image diffusion.")
     top.add_argument(
         "command",
-        choices=["train", "export", "generate"],
+        choices=["train", "export", "generate", "evaluate"],
         help="train: DiffusionNFT / MARBLE training from a recipe; export: a checkpoint -> a publishable LoRA folder "
-        "(model card, optional Hub push); generate: images from a base model plus a LoRA.",
+        "(model card, optional Hub push); generate: images from a base model plus a LoRA; evaluate: score models on "
+        "a prompt set.",
     )
     if not argv or argv[0] in ("-h", "--help"):
         top.print_help()
@@ -238,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         train(script_args, training_args)
     elif ns.command == "export":
         export_command(argv[1:])
+    elif ns.command == "evaluate":
+        evaluate_command(argv[1:])
     else:
         generate_command(argv[1:])
     return 0

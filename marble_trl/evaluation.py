@@ -257,12 +257,14 @@ def evaluate_models(
     n_img = settings.num_images_per_prompt
     items = [(p, i) for p in range(len(prompts)) for i in range(n_img)]
     grid_n = min(settings.grid_prompts, len(prompts))
+    # One resolution and prompt length for every model (compared on equal terms): given, else the first LoRA's
+    # training settings (marble_trl.json), else the pipeline's default size and 256 tokens.
+    first = next((read_sampling_settings(m.lora) for m in models if m.lora), {})
+    resolution = settings.resolution or first.get("resolution")
+    max_len = settings.max_sequence_length or first.get("max_sequence_length") or 256
     results = []
     for spec in models:
         folder = output / _safe_dirname(spec.name)
-        lora_settings = read_sampling_settings(spec.lora) if spec.lora else {}
-        resolution = settings.resolution or lora_settings.get("resolution")
-        max_len = settings.max_sequence_length or lora_settings.get("max_sequence_length") or 256
         record = {
             "model": model,
             "tiny_seed": tiny_seed if model == "tiny" else None,

@@ -142,6 +142,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         if not isinstance(args, MarbleDiffusionNFTConfig):
             raise TypeError(f"args must be a MarbleDiffusionNFTConfig, got {type(args).__name__}.")
         check_prompt_dataset(train_dataset)
+        self._source_indices(train_dataset, args.source_ratios)  # a mixture's ratios fail here, not at train()
         for name, dataset in _eval_datasets(eval_dataset):
             check_prompt_dataset(dataset, name=name)
         # Seed before the LoRA is initialised (transformers.Trainer seeds only in its own __init__, after that).
@@ -274,7 +275,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
     def _get_train_sampler(self, train_dataset=None) -> GroupSampler:
         dataset = train_dataset if train_dataset is not None else self.train_dataset
-        sources, ratios = self._source_indices(dataset)
+        sources, ratios = self._source_indices(dataset, self.args.source_ratios)
         return GroupSampler(
             num_prompts=len(dataset),
             num_generations=self.args.num_generations,
@@ -284,9 +285,9 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             ratios=ratios,
         )
 
-    def _source_indices(self, dataset) -> tuple[list[int] | None, list[float] | None]:
-        """Each row's source index and each source's ratio, from the ``source`` column and ``args.source_ratios``."""
-        ratios = self.args.source_ratios
+    @staticmethod
+    def _source_indices(dataset, ratios: dict[str, float] | None) -> tuple[list[int] | None, list[float] | None]:
+        """Each row's source index and each source's ratio, from the ``source`` column and ``source_ratios``."""
         if ratios is None:
             return None, None
         if SOURCE_COLUMN not in dataset.column_names:

@@ -221,7 +221,7 @@ def load_prompt_sources(specs, add_source_column: bool | None = None):
     Columns missing in a source are ``None`` in its rows. A source that already has a ``source`` column cannot be
     labelled (rename that column first).
     """
-    from datasets import concatenate_datasets
+    from datasets import Features, concatenate_datasets
 
     sources = as_sources(specs)
     mixture_ratios(sources)  # validate: all ratios or none, a positive sum
@@ -242,12 +242,17 @@ def load_prompt_sources(specs, add_source_column: bool | None = None):
     owner: dict[str, str] = {}
     for source, dataset in zip(sources, datasets):
         for column, feature in dataset.features.items():
+            feature = _plain(feature)
             if column in union and union[column] != feature:
-                raise ValueError(
-                    f"Column {column!r} has type {feature} in source {source.name!r} but {union[column]} in source "
-                    f"{owner[column]!r}; make the types agree (or drop the column with the sources' 'columns')."
-                )
-            union.setdefault(column, feature)
+                merged = _merge(union[column], feature)
+                if merged is None:
+                    raise ValueError(
+                        f"Column {column!r} has type {feature} in source {source.name!r} but {union[column]} in "
+                        f"source {owner[column]!r}; make the types agree (or drop the column with the sources' "
+                        "'columns')."
+                    )
+                feature = merged
+            union[column] = feature
             owner.setdefault(column, source.name)
     aligned = []
     for source, dataset in zip(sources, datasets):
@@ -255,7 +260,31 @@ def load_prompt_sources(specs, add_source_column: bool | None = None):
             if column not in dataset.column_names:
                 dataset = dataset.add_column(column, [None] * len(dataset), feature=feature)
         dataset = dataset.select_columns(list(union))
+        if dataset.features != Features(union):
+            dataset = dataset.cast(Features(union))
         if add_source_column:
             dataset = dataset.add_column(SOURCE_COLUMN, [source.name] * len(dataset))
         aligned.append(dataset)
     return concatenate_datasets(aligned)
+
+
+def _plain(feature: Any) -> Any:
+    """``large_string`` (what some loaders produce) as ``string``, so sources from different loaders agree."""
+    from datasets import Value
+
+    if isinstance(feature, Value) and feature.dtype == "large_string":
+        return Value("string")
+    return feature
+
+
+def _merge(a: Any, b: Any) -> Any:
+    """The common type of a column in two sources: equal types, or a column of nulls adopting the other's type."""
+    from datasets import Value
+
+    if a == b:
+        return a
+    if isinstance(a, Value) and a.dtype == "null":
+        return b
+    if isinstance(b, Value) and b.dtype == "null":
+        return a
+    return None
