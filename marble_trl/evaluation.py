@@ -71,7 +71,8 @@ def summarize_scores(
     names: Sequence[str], rows: Sequence[dict[str, Any]], sources: Sequence[str | None] | None = None
 ) -> dict[str, float]:
     """``{name}/mean``, ``{name}/std`` (population), ``{name}/sem`` and ``{name}/count`` of each reward over ``rows``
-    (dicts ``{name: score or None}``); with ``sources``, also ``{name}/{source}/mean``."""
+    (dicts ``{name: score or None}``); with ``sources``, also ``{name}/{source}/mean`` for each source where the reward
+    applies to at least one sample."""
     out: dict[str, float] = {}
     for name in names:
         values = [r.get(name) for r in rows]
@@ -81,8 +82,9 @@ def summarize_scores(
         out.update({f"{name}/mean": mean, f"{name}/std": std, f"{name}/sem": sem, f"{name}/count": float(n)})
         if sources is not None:
             for source in sorted({s for s in sources if s is not None}):
-                sub = [v for v, s in zip(values, sources) if s == source]
-                out[f"{name}/{source}/mean"] = mean_sem(sub)[0]
+                sub_mean, _, sub_n = mean_sem([v for v, s in zip(values, sources) if s == source])
+                if sub_n:  # a reward that applies to no sample of a source says nothing about it
+                    out[f"{name}/{source}/mean"] = sub_mean
     return out
 
 
