@@ -63,3 +63,43 @@ def test_two_processes_match_each_other_and_one_process(tmp_path, per_device, gr
     torch.testing.assert_close(
         torch.tensor(two[0]["balancer"]["alpha_bar"]), torch.tensor(one[0]["balancer"]["alpha_bar"]), atol=1e-4, rtol=0
     )
+
+
+@pytest.mark.slow
+def test_two_processes_evaluate_and_log_sources_like_one(tmp_path):
+    """Evaluation shards (prompt, image) pairs over processes and gathers the scores: two processes log the same
+    evaluation (and the same per-source reward metrics) as one process with the same global batch."""
+    worker = Path(__file__).parent / "dist" / "tiny_eval.py"
+
+    def run(out: Path, nproc: int, per_device: int, grad_accum: int) -> list[dict]:
+        out.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            "--rdzv_endpoint=127.0.0.1:0", "--rdzv_backend=c10d", str(worker), str(out), str(per_device),
+            str(grad_accum),
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+
+    two = run(tmp_path / "two", 2, 2, 1)
+    one = run(tmp_path / "one", 1, 2, 2)
+    assert two[0]["world"] == 2 and one[0]["world"] == 1
+    eval_two = next(h for h in two[0]["history"] if "eval_samples" in h)
+    eval_one = next(h for h in one[0]["history"] if "eval_samples" in h)
+    rank1 = next(h for h in two[1]["history"] if "eval_samples" in h)
+    assert {k: v for k, v in rank1.items() if "runtime" not in k} == {
+        k: v for k, v in eval_two.items() if "runtime" not in k
+    }  # every rank holds the gathered result
+    assert eval_two["eval_samples"] == eval_one["eval_samples"] == 10.0
+    assert eval_two["eval_rewards/texty/count"] == 2.0
+    for key, value in eval_one.items():
+        if key.startswith("eval_rewards/"):
+            assert eval_two[key] == pytest.approx(value, abs=1e-5), key
+    train_two = next(h for h in two[0]["history"] if "loss" in h)
+    train_one = next(h for h in one[0]["history"] if "loss" in h)
+    for key in ("rewards/brightness/plain/mean", "rewards/brightness/ocr/mean", "rewards/texty/ocr/mean"):
+        assert train_two[key] == pytest.approx(train_one[key], abs=1e-5), key
+    assert "rewards/texty/plain/mean" not in train_one
+    assert (tmp_path / "two" / "eval" / "step-1.png").is_file()
