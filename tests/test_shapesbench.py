@@ -189,5 +189,5 @@ def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
     report = (out / "report.md").read_text()
     for name in [*methods, *S.REWARD_NAMES]:
         assert name in report
-    for png in ("reward_curves.png", "coefficients.png", "cosine_hist.png"):
+    for png in ("reward_curves.png", "coefficients.png", "cosine_hist.png", "samples.png"):
         assert (out / png).stat().st_size > 1000

@@ -156,8 +156,10 @@ def run_one(
         "stage_weights": weights_history(),
     }
     (run_dir / f"{name}.json").write_text(json.dumps(record, default=_json_default))
-    if save_images:
-        torch.save({"eval": ev["images"], "base": base["images"] if base else None}, run_dir / f"{name}.images.pt")
+    if save_images or seed == 0:  # seed 0's held-out images, as uint8, for the sample grid of the report
+        to_u8 = lambda x: (x * 255).round().to(torch.uint8)  # noqa: E731
+        images = {"eval": to_u8(ev["images"]), "base": to_u8(base["images"]) if base else None}
+        torch.save(images, run_dir / f"{name}.images.pt")
     return record
 
 

@@ -40,7 +40,7 @@ class PretrainConfig:
     vae_steps: int = 800
     vae_batch_size: int = 32
     vae_lr: float = 2e-3
-    steps: int = 1200
+    steps: int = 1000
     batch_size: int = 64
     lr: float = 1e-3
     warmup_steps: int = 100
@@ -49,7 +49,7 @@ class PretrainConfig:
     head_dim: int = 16
     text_hidden: int = 32
     shift: float = 3.0
-    threads: int = 2
+    threads: int = 1
 
     def key(self) -> str:
         """A short hash of the config (and the format version): the cache folder name."""

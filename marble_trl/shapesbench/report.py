@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..scores import composite_zscores, markdown_table, mean_sem, write_csv
 from .methods import all_methods
 from .scorers import REWARD_NAMES
@@ -254,7 +256,54 @@ def plots(runs: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     files.append(out_dir / "cosine_hist.png")
     fig.savefig(files[-1], dpi=110)
     plt.close(fig)
+    grid = sample_grid(runs, out_dir)
+    if grid is not None:
+        files.append(grid)
     return files
+
+
+def sample_grid(runs: Sequence[dict[str, Any]], out_dir: Path, per_family: int = 4) -> Path | None:
+    """``samples.png``: seed 0's held-out images (first image of the first ``per_family`` captions of every family),
+    one row per model (base first)."""
+    import matplotlib.pyplot as plt
+    import torch
+
+    from .world import FAMILIES, eval_scenes
+
+    rows: list[tuple[str, Any]] = []
+    base = None
+    for m in _method_order(runs):
+        path = out_dir / "runs" / f"{m}-seed0.images.pt"
+        if not path.is_file():
+            continue
+        data = torch.load(path)
+        base = data["base"] if data.get("base") is not None else base
+        rows.append((m, data["eval"]))
+    if base is not None:
+        rows.insert(0, ("base", base))
+    if not rows:
+        return None
+    budget = runs[0]["budget"]
+    scenes = eval_scenes(budget["eval_per_family"])
+    per_prompt = budget["eval_images_per_prompt"]
+    picks = [i for f in FAMILIES for i in [j for j, s in enumerate(scenes) if s.family == f][:per_family]]
+    fig, axes = plt.subplots(len(rows), len(picks), figsize=(0.9 * len(picks) + 1.6, 0.95 * len(rows) + 0.6))
+    axes = np.atleast_2d(axes)
+    for r, (name, images) in enumerate(rows):
+        for c, i in enumerate(picks):
+            ax = axes[r][c]
+            ax.imshow(images[i * per_prompt].permute(1, 2, 0).numpy(), interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == 0:
+                ax.set_title(scenes[i].prompt, fontsize=5)
+            if c == 0:
+                ax.set_ylabel(name, fontsize=6, rotation=0, ha="right", va="center")
+    fig.tight_layout()
+    path = out_dir / "samples.png"
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
 
 
 def write_report(out_dir: str | Path, make_plots: bool = True) -> str:
