@@ -274,3 +274,38 @@ def test_evaluate_command_bad_input(tmp_path, lora_dir):
     with pytest.raises(FileNotFoundError, match="is not a folder"):
         main(["evaluate", "--reward_funcs", "brightness", "--lora", str(tmp_path / "none"), "--output", str(out)])
     assert not (out / "base" / "scores.jsonl").exists()  # nothing generated before the input was checked
+
+
+def test_train_command_with_a_mixture_and_evaluation(tmp_path):
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
+    (tmp_path / "plain.txt").write_text("a red apple\na blue car\n", encoding="utf-8")
+    rows = [{"caption": "a sign HI", "text": "HI"}, {"caption": "a sign YO", "text": "YO"}]
+    (tmp_path / "ocr.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    (tmp_path / "held.txt").write_text("a boat\n", encoding="utf-8")
+    config = tmp_path / "mix.yaml"
+    config.write_text(
+        recipe.read_text()
+        + f"""
+dataset_mixture:
+  - {{path: {tmp_path / "plain.txt"}, ratio: 1}}
+  - {{path: {tmp_path / "ocr.jsonl"}, name: ocr, prompt_column: caption, ratio: 1}}
+eval_dataset_name: {tmp_path / "held.txt"}
+eval_strategy: steps
+eval_steps: 1
+eval_num_sample_steps: 2
+eval_reward_funcs: [brightness, contrast]
+"""
+    )
+    out = tmp_path / "run"
+    argv = ["train", "--config", str(config), "--output_dir", str(out), "--max_steps", "1", "--disable_tqdm", "true"]
+    argv += ["--num_sample_steps", "2", "--num_generations", "2", "--per_device_train_batch_size", "4"]
+    argv += ["--sample_grid_prompts", "0"]
+    assert main(argv) == 0
+    logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = next(r for r in logs if "loss" in r)
+    assert {"rewards/brightness/plain/mean", "rewards/brightness/ocr/mean"} <= set(train)
+    evaluation = next(r for r in logs if "eval_samples" in r)
+    assert evaluation["eval_samples"] == 1.0 and "eval_rewards/contrast/mean" in evaluation
+    assert (out / "eval" / "step-1.png").is_file()
