@@ -39,7 +39,7 @@ def args_for(output_dir, **overrides) -> MarbleDiffusionNFTConfig:
         output_dir=str(output_dir), report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
         max_steps=2, learning_rate=3e-2, per_device_train_batch_size=4, num_generations=2, prompts_per_step=2,
         resolution=16, num_sample_steps=2, sample_scheduler="euler", max_sequence_length=8, lora_r=2, lora_alpha=4,
-        use_cpu=True, seed=0, eval_num_sample_steps=3, eval_num_images_per_prompt=2, per_device_eval_batch_size=4,
+        use_cpu=True, seed=0, eval_num_sample_steps=2, eval_num_images_per_prompt=2, per_device_eval_batch_size=4,
     )  # fmt: skip
     kwargs.update(overrides)
     return MarbleDiffusionNFTConfig(**kwargs)
