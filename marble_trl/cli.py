@@ -182,7 +182,8 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
             )
         print(f"[marble-trl] done: {summary} -> {out}")
     if training_args.push_to_hub and not trainer.stopped_by_signal:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+        mixture = script_args.dataset_mixture
+        trainer.push_to_hub(dataset_name=", ".join(s.path for s in mixture) if mixture else script_args.dataset_name)
     return summary
 
 

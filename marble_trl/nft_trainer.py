@@ -921,7 +921,22 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             tag = prefix[len("eval_") :] + "-" if prefix.startswith("eval_") else ""
             image = grid_image(torch.stack(grid), n_img if n_img > 1 else len(grid), args.resolution)
             image.save(os.path.join(folder, f"{tag}step-{self.state.global_step}.png"))
+            self._log_eval_grid(
+                image, f"{prefix.replace('_', '/', 1) if prefix.startswith('eval_') else prefix}/images"
+            )
         return metrics
+
+    def _log_eval_grid(self, image, tag: str) -> None:
+        """Send the evaluation grid to the wandb / tensorboard runs of ``report_to`` (the Trainer's callbacks)."""
+        step = self.state.global_step
+        for callback in self.callback_handler.callbacks:
+            kind = type(callback).__name__
+            if kind == "WandbCallback" and getattr(getattr(callback, "_wandb", None), "run", None) is not None:
+                callback._wandb.log({tag: callback._wandb.Image(image), "train/global_step": step})
+            elif kind == "TensorBoardCallback" and getattr(callback, "tb_writer", None) is not None:
+                import numpy as np
+
+                callback.tb_writer.add_image(tag, np.asarray(image), step, dataformats="HWC")
 
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The trainable LoRA parameters by name."""

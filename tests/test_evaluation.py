@@ -309,3 +309,44 @@ eval_reward_funcs: [brightness, contrast]
     evaluation = next(r for r in logs if "eval_samples" in r)
     assert evaluation["eval_samples"] == 1.0 and "eval_rewards/contrast/mean" in evaluation
     assert (out / "eval" / "step-1.png").is_file()
+
+
+def test_eval_grid_reaches_wandb_and_tensorboard_callbacks(tmp_path):
+    from transformers import TrainerCallback
+
+    class FakeWandb:
+        run = object()
+        logged: list = []
+
+        @staticmethod
+        def Image(image):  # noqa: N802 (wandb's name)
+            return ("wandb-image", image.size)
+
+        def log(self, data):
+            self.logged.append(data)
+
+    class WandbCallback(TrainerCallback):
+        def __init__(self):
+            self._wandb = FakeWandb()
+
+    class Writer:
+        images: list = []
+
+        def add_image(self, tag, array, step, dataformats):
+            self.images.append((tag, array.shape, step, dataformats))
+
+    class TensorBoardCallback(TrainerCallback):
+        tb_writer = Writer()
+
+    trainer = MarbleDiffusionNFTTrainer(
+        "tiny",
+        [brightness],
+        args=args_for(tmp_path, eval_num_images_per_prompt=1),
+        train_dataset=TRAIN,
+        eval_dataset={"held": EVAL},
+        callbacks=[WandbCallback(), TensorBoardCallback()],
+    )
+    trainer.evaluate()
+    ((tag, size),) = [(k, v[1]) for d in FakeWandb.logged for k, v in d.items() if k != "train/global_step"]
+    assert tag == "eval/held/images" and size[0] > 0
+    assert Writer.images == [("eval/held/images", (size[1], size[0], 3), 0, "HWC")]
