@@ -298,9 +298,6 @@ def evaluate_command(argv: list[str]) -> list[dict]:
         negative_prompt=a.negative_prompt, resolution=a.resolution, max_sequence_length=a.max_sequence_length,
         seed=a.seed, batch_size=a.batch_size, grid_prompts=a.grid_prompts, reward_kwargs=reward_kwargs,
     )  # fmt: skip
-    from .rewards import resolve_reward_funcs
-
-    resolve_reward_funcs(list(a.reward_funcs), reward_kwargs)  # unknown rewards fail before any image is made
     models = model_specs(a.lora, include_base=not a.no_base, weight_name=a.weight_name)
     sources = [
         PromptSource(path=path, split=a.split, prompt_column=a.prompt_column, max_prompts=a.max_prompts)

@@ -243,8 +243,8 @@ def evaluate_models(
     from .rewards.images import to_pil
     from .rollout import make_scheduler
 
+    funcs = resolve_reward_funcs(list(settings.reward_funcs), settings.reward_kwargs)  # unknown names fail first
     check_prompt_dataset(dataset, name="prompt set")
-    funcs = resolve_reward_funcs(list(settings.reward_funcs), settings.reward_kwargs)
     names = [reward_name(f) for f in funcs]
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
