@@ -60,9 +60,22 @@ def test_color_scores_wrong_colour_low():
     ]
     prompts, images, _ = _batch(wrong)  # drawn in another colour, scored against the prompt's colour
     columns = {c: [s.columns()[c] for s in truth] for c in world.COLUMNS}
-    assert max(S.color(prompts, images, **columns)) <= 0.05
+    assert max(S.color(prompts, images, **columns)) <= 0.52  # the shape half only
+    other_shape = {"circle": "square", "square": "triangle", "triangle": "circle"}
+    both_wrong = dict(columns, shape=[other_shape[s] for s in columns["shape"]])
+    assert max(S.color(prompts, images, **both_wrong)) <= 0.05
     blank = torch.full_like(images, 13 / 255)
     assert max(S.color(prompts, blank, **columns)) == 0.0
+
+
+def test_color_and_position_score_wrong_shapes_low():
+    other = {"circle": "square", "square": "triangle", "triangle": "circle"}
+    for family, reward in (("color", S.color), ("position", S.position)):
+        truth = _family(family)
+        prompts, images, columns = _batch(truth)
+        wrong = dict(columns, shape=[other[s] for s in columns["shape"]])
+        assert max(reward(prompts, images, **wrong)) <= 0.55  # the colour / side half only
+        assert np.mean(reward(prompts, images, **columns)) >= 0.9
 
 
 def test_count_scores_wrong_counts_low():
@@ -76,10 +89,13 @@ def test_count_scores_wrong_counts_low():
 
 def test_position_scores_wrong_side_low():
     opposite = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
+    other_shape = {"circle": "square", "square": "triangle", "triangle": "circle"}
     truth = _family("position")
     prompts, images, columns = _batch(truth)
     wrong = dict(columns, position=[opposite[p] for p in columns["position"]])
-    assert max(S.position(prompts, images, **wrong)) <= 0.2
+    assert max(S.position(prompts, images, **wrong)) <= 0.6  # the shape half, plus at most 0.1
+    both_wrong = dict(wrong, shape=[other_shape[s] for s in columns["shape"]])
+    assert max(S.position(prompts, images, **both_wrong)) <= 0.1
     assert np.mean(S.position(prompts, images, **columns)) >= 0.9
 
 

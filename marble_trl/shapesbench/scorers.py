@@ -15,12 +15,17 @@ Specialist rewards (a GenEval in miniature; ``None`` outside their prompt family
 pixels that are bright (``max(rgb) > 0.35``) and saturated (``(max - min) / max > 0.45``), the way the world draws
 objects:
 
-- ``color``:     fraction of foreground pixels whose hue is nearest the prompt's colour, times a presence factor
-  ``min(1, area / 40 px)``;
+- ``color``:     mean of the colour match (fraction of foreground pixels whose hue is nearest the prompt's colour,
+  times a presence factor ``min(1, area / 40 px)``) and the shape match (below);
 - ``count``:     connected foreground components (4-connected, at least 3 px) against the prompt's number:
   ``max(0, 1 - |found - asked| / 2)`` (exact 1, off by one 0.5);
-- ``position``:  the foreground centroid's displacement ``d`` from the centre towards the prompt's side (in half-widths),
-  ``clip(0.5 + 1.25 d, 0, 1)``, times the presence factor ``min(1, area / 20 px)``.
+- ``position``:  mean of the side score (the foreground centroid's displacement ``d`` from the centre towards the
+  prompt's side in half-widths, ``clip(0.5 + 1.25 d, 0, 1)``, times a presence factor ``min(1, area / 20 px)``) and
+  the shape match.
+
+The shape match classifies the largest foreground object by its fill ratio (area / bounding-box area: square 1.0,
+disc 0.78, triangle 0.53 once rasterised): ``clip(1 - |fill - ideal| / 0.2, 0, 1)``, 0 without an object. Like
+GenEval, the colour and position prompts thus also check the object class, with partial credit per requirement.
 """
 
 from __future__ import annotations
@@ -79,34 +84,63 @@ def nearest_color(images: torch.Tensor) -> torch.Tensor:
     return torch.minimum(diff, 360.0 - diff).argmin(dim=-1)
 
 
-def count_components(mask: np.ndarray, min_size: int = MIN_COMPONENT_PX) -> int:
-    """Number of 4-connected components of a 2-D boolean mask with at least ``min_size`` pixels."""
+def components(mask: np.ndarray, min_size: int = MIN_COMPONENT_PX) -> list[tuple[int, int, int]]:
+    """4-connected components of a 2-D boolean mask with at least ``min_size`` pixels, as ``(size, bbox height,
+    bbox width)``, largest first."""
     h, w = mask.shape
     seen = np.zeros_like(mask, dtype=bool)
-    found = 0
+    found = []
     for y0, x0 in zip(*np.nonzero(mask)):
         if seen[y0, x0]:
             continue
         seen[y0, x0] = True
         stack, size = [(y0, x0)], 0
+        ys, xs = [], []
         while stack:
             y, x = stack.pop()
             size += 1
+            ys.append(y)
+            xs.append(x)
             for ny, nx in ((y - 1, x), (y + 1, x), (y, x - 1), (y, x + 1)):
                 if 0 <= ny < h and 0 <= nx < w and mask[ny, nx] and not seen[ny, nx]:
                     seen[ny, nx] = True
                     stack.append((ny, nx))
-        found += size >= min_size
-    return found
+        if size >= min_size:
+            found.append((size, max(ys) - min(ys) + 1, max(xs) - min(xs) + 1))
+    return sorted(found, reverse=True)
+
+
+def count_components(mask: np.ndarray, min_size: int = MIN_COMPONENT_PX) -> int:
+    """Number of 4-connected components of a 2-D boolean mask with at least ``min_size`` pixels."""
+    return len(components(mask, min_size))
+
+
+# Fill ratio (area / bounding-box area) of each drawn shape: a square fills its box, a disc pi/4 of it, a triangle
+# about half (a little more once rasterised).
+SHAPE_FILL = {"square": 1.0, "circle": 0.78, "triangle": 0.53}
+SHAPE_TOLERANCE = 0.2
+
+
+def shape_match(mask: np.ndarray, shape: str) -> float:
+    """How well the largest foreground object's fill ratio matches ``shape``: ``clip(1 - |fill - ideal| / 0.2, 0,
+    1)``; 0 without an object."""
+    found = components(mask)
+    if not found:
+        return 0.0
+    size, bh, bw = found[0]
+    fill = size / (bh * bw)
+    return float(np.clip(1.0 - abs(fill - SHAPE_FILL[shape]) / SHAPE_TOLERANCE, 0.0, 1.0))
 
 
 def _applies(family: Sequence[str] | None, i: int, name: str) -> bool:
     return family is not None and family[i] == name
 
 
-def color(prompts: list[str], images: torch.Tensor, family=None, color=None, **_) -> list[float | None]:
-    """Colour match for ``color`` prompts (``None`` elsewhere): share of the foreground in the asked colour."""
+def color(prompts: list[str], images: torch.Tensor, family=None, color=None, shape=None, **_) -> list[float | None]:
+    """Attribute binding for ``color`` prompts (``None`` elsewhere): mean of the colour match (share of the
+    foreground in the asked colour) and the shape match of the largest object."""
     fg = foreground(images)
+    fg_np = fg.numpy()
     nearest = nearest_color(images)
     names = list(COLORS)
     out: list[float | None] = []
@@ -119,7 +153,7 @@ def color(prompts: list[str], images: torch.Tensor, family=None, color=None, **_
             out.append(0.0)
             continue
         frac = float((nearest[i][fg[i]] == names.index(color[i])).float().mean())
-        out.append(frac * min(1.0, area / 40.0))
+        out.append(0.5 * frac * min(1.0, area / 40.0) + 0.5 * shape_match(fg_np[i], shape[i]))
     return out
 
 
@@ -141,8 +175,12 @@ def count(prompts: list[str], images: torch.Tensor, family=None, count=None, **_
 _DIRECTIONS = {"left": (-1.0, 0.0), "right": (1.0, 0.0), "top": (0.0, -1.0), "bottom": (0.0, 1.0)}
 
 
-def position(prompts: list[str], images: torch.Tensor, family=None, position=None, **_) -> list[float | None]:
-    """Placement for ``position`` prompts (``None`` elsewhere): how far the objects sit towards the asked side."""
+def position(
+    prompts: list[str], images: torch.Tensor, family=None, position=None, shape=None, **_
+) -> list[float | None]:
+    """Placement for ``position`` prompts (``None`` elsewhere): mean of how far the objects sit towards the asked
+    side and the shape match of the largest object."""
+    fg_np = foreground(images).numpy()
     fg = foreground(images).float()
     _, h, w = fg.shape
     ys = torch.arange(h, dtype=torch.float32)[:, None]
@@ -160,7 +198,8 @@ def position(prompts: list[str], images: torch.Tensor, family=None, position=Non
         cy = float((fg[i] * ys).sum()) / area
         dx, dy = _DIRECTIONS[position[i]]
         d = (dx * (cx - (w - 1) / 2) + dy * (cy - (h - 1) / 2)) / (w / 2 if dx else h / 2)
-        out.append(float(np.clip(0.5 + 1.25 * d, 0.0, 1.0)) * min(1.0, area / 20.0))
+        side = float(np.clip(0.5 + 1.25 * d, 0.0, 1.0)) * min(1.0, area / 20.0)
+        out.append(0.5 * side + 0.5 * shape_match(fg_np[i], shape[i]))
     return out
 
 
