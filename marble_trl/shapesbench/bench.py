@@ -50,7 +50,7 @@ class Budget:
     num_generations: int = 8
     prompts_per_step: int = 4
     sample_steps: int = 6
-    learning_rate: float = 3e-3
+    learning_rate: float = 5e-3
     lora_r: int = 8
     beta: float = 0.0
     nft_beta: float = 1.0
