@@ -7,7 +7,8 @@
   mean cosine, variance of the cosines across rewards, conflict rate ``P(min_k cos < 0)``; over the rewards *with
   signal* in that step (some group with spread). Weighted-sum-type methods: ``update_cos/*`` on every step; MARBLE
   variants: ``marble/cos/*`` on refresh steps;
-- **Table 2** (``table2_cost``): median step time and peak RSS, relative to the weighted sum of the same seed;
+- **Table 2** (``table2_cost``): median step time and peak RSS, relative to the weighted sum (without the per-step
+  cosine diagnostics: ``weighted_sum_plain``) of the same seed;
 - plots: ``reward_curves.png``, ``coefficients.png``, ``cosine_hist.png``.
 """
 
@@ -44,9 +45,15 @@ def load_runs(out_dir: str | Path) -> list[dict[str, Any]]:
     return runs
 
 
-def _method_order(runs: Sequence[dict[str, Any]]) -> list[str]:
+def _method_order(runs: Sequence[dict[str, Any]], timing: bool = False) -> list[str]:
+    """The methods present, in catalogue order; ``timing_only`` ones only when ``timing`` is set."""
     present = {r["method"] for r in runs}
-    return [m for m in all_methods() if m in present]
+    return [m for m, spec in all_methods().items() if m in present and (timing or not spec.timing_only)]
+
+
+def _score_runs(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    keep = set(_method_order(runs))
+    return [r for r in runs if r["method"] in keep]
 
 
 def _pm(mean: float, sem: float, digits: int = 3) -> str:
@@ -57,6 +64,7 @@ def _pm(mean: float, sem: float, digits: int = 3) -> str:
 
 def table1(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Rows for display (``mean ± sem`` strings) and raw rows (means, sems) of Table 1."""
+    runs = _score_runs(runs)
     methods = _method_order(runs)
     seeds = sorted({r["seed"] for r in runs})
     per_seed: dict[int, dict[str, dict[str, float]]] = defaultdict(dict)
@@ -107,6 +115,7 @@ def _cosine_steps(run: dict[str, Any]) -> list[list[float]]:
 
 def tableS1(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Update-harmony statistics per multi-reward method (mean ± sem over seeds of per-run averages)."""
+    runs = _score_runs(runs)
     display, raw = [], []
     for m in _method_order(runs):
         stats: dict[str, list[float]] = defaultdict(list)
@@ -135,10 +144,16 @@ def tableS1(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[
 
 
 def table2(runs: Sequence[dict[str, Any]], skip: int = 1) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Median step time and peak RSS per method, relative to the weighted sum of the same seed (median over seeds)."""
+    """Median step time and peak RSS per method, relative to the reference of the same seed (median over seeds).
+
+    The reference is ``weighted_sum_plain`` (the weighted sum without per-step cosine diagnostics) when it was run,
+    else ``weighted_sum``.
+    """
     by = {(r["method"], r["seed"]): r for r in runs}
+    ref = "weighted_sum_plain" if any(r["method"] == "weighted_sum_plain" for r in runs) else "weighted_sum"
+    catalogue = all_methods()
     display, raw = [], []
-    for m in _method_order(runs):
+    for m in _method_order(runs, timing=True):
         speed, mem, step_ms, peak = [], [], [], []
         for (method, seed), r in by.items():
             if method != m:
@@ -147,13 +162,15 @@ def table2(runs: Sequence[dict[str, Any]], skip: int = 1) -> tuple[list[dict[str
             t = statistics.median(times)
             step_ms.append(1000 * t)
             peak.append(r["peak_rss_gib"])
-            base = by.get(("weighted_sum", seed))
+            base = by.get((ref, seed))
             if base:
                 tb = statistics.median(base["step_times"][skip:] or base["step_times"])
                 speed.append(tb / t)
                 mem.append(r["peak_rss_gib"] / base["peak_rss_gib"])
+        cosines = bool(catalogue[m].overrides.get("log_update_cosines"))
         w = {
             "method": m,
+            "per_step_cosines": cosines,
             "step_ms": statistics.median(step_ms),
             "relative_speed": statistics.median(speed) if speed else math.nan,
             "peak_rss_gib": statistics.median(peak),
@@ -163,10 +180,11 @@ def table2(runs: Sequence[dict[str, Any]], skip: int = 1) -> tuple[list[dict[str
         display.append(
             {
                 "method": m,
+                "per-step cosine diagnostics": "yes" if cosines else "no",
                 "step time (median)": f"{w['step_ms']:.0f} ms",
-                "speed vs weighted sum": f"{w['relative_speed']:.3f}x",
+                f"speed vs {ref}": f"{w['relative_speed']:.3f}x",
                 "peak RSS": f"{w['peak_rss_gib']:.2f} GiB",
-                "peak RSS vs weighted sum": f"{w['relative_peak_rss']:.3f}x",
+                f"peak RSS vs {ref}": f"{w['relative_peak_rss']:.3f}x",
             }
         )
     return display, raw
@@ -201,6 +219,7 @@ def plots(runs: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    runs = _score_runs(runs)
     methods = _method_order(runs)
     multi = [m for m in methods if m in MULTI_REWARD_ORDER]
     by_method = {m: [r for r in runs if r["method"] == m] for m in methods}
