@@ -232,7 +232,9 @@ def plots(runs: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
                 continue
             xs, ys = _mean_curve(by_method[m], f"rewards/{name}/mean")
             if xs:
-                ax.plot(xs, ys, label=m, linestyle="--" if m.startswith("only_") else "-")
+                specialist = m.startswith("only_")
+                label = "that reward's specialist (only_*)" if specialist else m
+                ax.plot(xs, ys, label=label, linestyle="--" if specialist else "-", color="k" if specialist else None)
         ax.set_title(f"{name} (training batch, mean over seeds)", fontsize=9)
         ax.set_xlabel("step")
     axes[0][0].legend(fontsize=7)
