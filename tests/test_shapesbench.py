@@ -143,7 +143,7 @@ def test_methods_catalogue_and_stage_schedule():
 
 @pytest.mark.slow
 def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
-    """A tiny pretraining, one seed, three methods, two steps: every table and plot is written and finite."""
+    """A tiny pretraining, one seed, six methods, two steps: every table and plot is written and finite."""
     from marble_trl.shapesbench.__main__ import main
 
     monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / "cache"))
@@ -160,7 +160,10 @@ def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
             "--methods",
             "only_color",
             "weighted_sum",
+            "weighted_sum_plain",
+            "sequential",
             "marble",
+            "fixed_uniform",
             "--steps",
             "2",
             "--num-generations",
@@ -189,7 +192,7 @@ def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
             "2",
         ]
     )
-    methods = ["base", "only_color", "weighted_sum", "marble"]
+    methods = ["base", "only_color", "weighted_sum", "sequential", "marble", "fixed_uniform"]
     rows = list(csv.DictReader((out / "table1_rewards.csv").open()))
     assert [r["method"] for r in rows] == methods
     for row in rows:
@@ -197,10 +200,10 @@ def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
             assert math.isfinite(float(row[name])), (row["method"], name)
         assert math.isfinite(float(row["composite_z"]))
     harmony = list(csv.DictReader((out / "tableS1_harmony.csv").open()))
-    assert {r["method"] for r in harmony} == {"weighted_sum", "marble"}
+    assert {r["method"] for r in harmony} == {"weighted_sum", "sequential", "marble", "fixed_uniform"}
     assert all(-1 <= float(r["worst_cos"]) <= 1 and 0 <= float(r["conflict_rate"]) <= 1 for r in harmony)
     cost = list(csv.DictReader((out / "table2_cost.csv").open()))
-    assert [r["method"] for r in cost] == methods[1:]
+    assert [r["method"] for r in cost] == ["only_color", "weighted_sum", "weighted_sum_plain", *methods[3:]]
     assert all(float(r["relative_speed"]) > 0 and float(r["relative_peak_rss"]) > 0 for r in cost)
     report = (out / "report.md").read_text()
     for name in [*methods, *S.REWARD_NAMES]:

@@ -164,9 +164,7 @@ def run_one(
 
 
 def _json_default(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return str(obj)
+    return str(obj)  # anything json cannot encode (e.g. a tensor in the log history) as its repr
 
 
 def _subprocess_run(method: str, seed: int, budget: Budget, model: str, out_dir: Path, log: Path) -> None:
