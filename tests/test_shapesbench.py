@@ -210,3 +210,23 @@ def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
         assert name in report
     for png in ("reward_curves.png", "coefficients.png", "cosine_hist.png", "samples.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def test_pretraining_is_deterministic_and_cached(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from marble_trl.shapesbench.pretrain import PretrainConfig, model_path, pretrain
+
+    config = PretrainConfig(
+        num_images=32, vae_steps=2, steps=2, warmup_steps=1, batch_size=4, vae_batch_size=4, num_layers=1, heads=2
+    )
+    weights = []
+    for run in ("a", "b"):
+        monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / run))
+        path = pretrain(config, quiet=True)
+        assert path == model_path(config) and (path / "model_index.json").is_file()
+        weights.append(load_file(str(path / "transformer" / "diffusion_pytorch_model.safetensors")))
+        assert pretrain(config, quiet=True) == path  # cached: returned without training
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert PretrainConfig(seed=1).key() != PretrainConfig().key()
