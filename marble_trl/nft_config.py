@@ -188,7 +188,8 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     log_update_cosines: bool = field(
         default=False,
         metadata={
-            "help": "Also log cos(update, g_k) for the weighted-sum baselines (costs a per-reward gradient pass)."
+            "help": "Also log cos(update, g_k) for the weighted-sum baselines and on MARBLE's amortised steps (costs a "
+            "per-reward gradient pass per step)."
         },
     )
 

@@ -426,6 +426,10 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         - ``"refresh"``: a MARBLE refresh step (per-reward gradients, QP, Eq. 7);
         - ``"amortised"``: a MARBLE step between refreshes: ``A_bar = sum_k alpha_bar_k A_k`` (Prop. 1).
         """
+        # A reward whose advantages are all 0 this step (no spread, or not applicable anywhere) has no signal: its
+        # "gradient" would only be that of 0.5 (L_pos + L_neg). MARBLE leaves it out of the QP (zero buffer row); the
+        # cosine diagnostics leave it out of the harmony statistics.
+        self._reward_has_signal = (per_reward != 0).any(dim=1)
         if self.balancer is None:
             return ("cosines" if self.args.log_update_cosines else "plain"), combined
         step = self.state.global_step
@@ -435,13 +439,13 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         a_bar = (weights[:, None] * per_reward).sum(dim=0)
         # Prop. 1 is exact only while no r_k is clamped; the paper counts violations (its pareto_fallback_used).
         violations = int((per_reward.abs() > self.args.adv_clip_max).any(dim=0).sum())
-        # A reward whose advantages are all 0 this step (no spread, or not applicable anywhere) has no signal: its
-        # "gradient" would only be that of 0.5 (L_pos + L_neg); it is left out of the QP (zero buffer row).
-        self._reward_has_signal = (per_reward != 0).any(dim=1)
         if violations:
             self.balancer.record_clamp_violations(violations)
         self._metrics["marble/clamp_violations"].append(float(self.balancer.num_clamp_violations))
-        return ("refresh" if self.balancer.is_refresh_step(step) else "amortised"), a_bar
+        if self.balancer.is_refresh_step(step):
+            return "refresh", a_bar
+        # Amortised steps with diagnostics: the same A_bar update, plus the K gradients for cos(update, g_k).
+        return ("cosines" if self.args.log_update_cosines else "amortised"), a_bar
 
     def _encode(self, prompts: list[str]) -> tuple[PromptEmbeddings, PromptEmbeddings | None]:
         """Prompt embeddings, and the negative prompt's when CFG is on (guidance_scale > 1)."""
@@ -667,9 +671,10 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                     [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params]
                 )
             cosines = update_cosines(flat, buffers.float())
-            stats = cosine_stats(cosines)
-            for name, c in zip(self.reward_names, cosines.tolist()):
-                self._metrics[f"update_cos/{name}"].append(c)
+            active = self._reward_has_signal.cpu().numpy()
+            stats = cosine_stats(cosines, active)
+            for name, c, on in zip(self.reward_names, cosines.tolist(), active):
+                self._metrics[f"update_cos/{name}"].append(c if on else math.nan)  # NaN: no signal, not averaged
             self._metrics["update_cos/worst"].append(float(stats["worst_cosine"]))
             self._metrics["update_cos/conflict"].append(float(stats["conflict"]))
         self._metrics["time/balancer"].append(time.perf_counter() - start)

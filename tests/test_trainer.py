@@ -151,6 +151,41 @@ def test_amortised_gradient_equals_alpha_weighted_per_reward_gradients(tmp_path)
     torch.testing.assert_close(amortised, weighted, rtol=1e-4, atol=1e-7)
 
 
+def constant(prompts, images, **_):
+    return [1.0] * len(prompts)
+
+
+def _lora_after(tmp_path, name, rewards, **overrides):
+    args = tiny_args(tmp_path / name, **overrides)
+    trainer = MarbleDiffusionNFTTrainer("tiny", rewards, args=args, train_dataset=load_prompt_dataset())
+    trainer.train()
+    return trainer, {n: p.detach().clone() for n, p in trainer.trainable_parameters().items()}
+
+
+@pytest.mark.parametrize(
+    "aggregation, interval", [("sum_then_normalize", 10), ("marble", 2)], ids=["weighted_sum", "marble"]
+)
+def test_update_cosines_are_logged_without_changing_training(tmp_path, aggregation, interval):
+    """Table S1 diagnostics: cos(update, g_k) on every non-refresh step, and the same parameters as without them."""
+    rewards = [brightness, contrast, constant]
+    common = dict(max_steps=3, multi_objective_aggregation=aggregation, marble_refresh_interval=interval)
+    plain, lora_plain = _lora_after(tmp_path, "plain", rewards, **common)
+    diag, lora_diag = _lora_after(tmp_path, "diag", rewards, log_update_cosines=True, **common)
+    for name in lora_plain:
+        torch.testing.assert_close(lora_diag[name], lora_plain[name], rtol=1e-5, atol=1e-7)
+    assert not history(plain, "update_cos/worst")
+    steps = [h["step"] for h in diag.state.log_history if "update_cos/worst" in h]
+    # MARBLE refreshes at steps 0 and 2 (0-based; logged as 1 and 3) report marble/cos instead.
+    assert steps == ([1, 2, 3] if aggregation != "marble" else [2])
+    for h in diag.state.log_history:
+        if "update_cos/worst" in h:
+            cos = [h["update_cos/brightness"], h["update_cos/contrast"]]
+            assert all(-1 <= c <= 1 for c in cos)
+            assert h["update_cos/worst"] == pytest.approx(min(cos))
+            assert h["update_cos/conflict"] == float(min(cos) < 0)
+            assert math.isnan(h["update_cos/constant"])  # no signal in any group: left out
+
+
 @pytest.mark.parametrize(
     "dataset, message",
     [
