@@ -106,8 +106,9 @@ def _cosine_steps(run: dict[str, Any]) -> list[list[float]]:
         for name in run["rewards"]:
             key = prefix + name
             zero_std = h.get(f"rewards/{name}/frac_zero_std")
-            if key in h and h[key] is not None and zero_std is not None and zero_std < 1.0:
-                cos.append(float(h[key]))
+            value = h.get(key)
+            if value is not None and math.isfinite(value) and zero_std is not None and zero_std < 1.0:
+                cos.append(float(value))
         if cos:
             out.append(cos)
     return out
