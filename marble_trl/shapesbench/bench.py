@@ -25,21 +25,13 @@ from typing import Any
 
 import torch
 
+from ..nft_config import DEFAULT_LORA_TARGETS
 from .methods import Method, StepTimer, all_methods, attach
 from .scorers import REWARD_NAMES, REWARDS, score_all
 from .world import COLUMNS, FAMILIES, all_scenes, eval_scenes, prompt_dataset
 
-LORA_TARGETS = [
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-    "proj_out",
-]
+# The reference's attention projections, plus proj_out so the tiny model can move colours quickly.
+LORA_TARGETS = [*DEFAULT_LORA_TARGETS, "proj_out"]
 
 
 @dataclass(frozen=True)
