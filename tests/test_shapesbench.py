@@ -163,6 +163,7 @@ def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
             "weighted_sum_plain",
             "sequential",
             "marble",
+            "marble_plain",
             "fixed_uniform",
             "--steps",
             "2",
@@ -202,8 +203,11 @@ def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
     harmony = list(csv.DictReader((out / "tableS1_harmony.csv").open()))
     assert {r["method"] for r in harmony} == {"weighted_sum", "sequential", "marble", "fixed_uniform"}
     assert all(-1 <= float(r["worst_cos"]) <= 1 and 0 <= float(r["conflict_rate"]) <= 1 for r in harmony)
+    # MARBLE's Table S1 row covers its refresh step (marble/cos) and its amortised step (update_cos).
+    assert {r["method"]: int(r["steps"]) for r in harmony}["marble"] == 2
     cost = list(csv.DictReader((out / "table2_cost.csv").open()))
-    assert [r["method"] for r in cost] == ["only_color", "weighted_sum", "weighted_sum_plain", *methods[3:]]
+    expected_cost = ["only_color", "weighted_sum", "weighted_sum_plain", "sequential", "marble", "marble_plain"]
+    assert [r["method"] for r in cost] == [*expected_cost, "fixed_uniform"]
     assert all(float(r["relative_speed"]) > 0 and float(r["relative_peak_rss"]) > 0 for r in cost)
     report = (out / "report.md").read_text()
     for name in [*methods, *S.REWARD_NAMES]:

@@ -98,10 +98,11 @@ def table1(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[d
 
 def _cosine_steps(run: dict[str, Any]) -> list[list[float]]:
     """Per step, the cosines cos(update, g_k) of the rewards with signal in that step."""
-    prefix = "marble/cos/" if any("marble/cos/" + n in h for h in run["log_history"] for n in run["rewards"]) else None
-    prefix = prefix or "update_cos/"
     out = []
     for h in run["log_history"]:
+        # A MARBLE refresh step logs marble/cos/* (cos(d_final, g_k)); every other step update_cos/*.
+        refresh = any("marble/cos/" + n in h for n in run["rewards"])
+        prefix = "marble/cos/" if refresh else "update_cos/"
         cos = []
         for name in run["rewards"]:
             key = prefix + name
