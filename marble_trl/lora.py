@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -34,7 +35,10 @@ def add_policy_adapters(transformer: nn.Module, lora_config) -> None:
     """Add the trainable adapter and the old-policy adapter (an exact copy, frozen); freeze everything else."""
     transformer.requires_grad_(False)
     transformer.add_adapter(lora_config, adapter_name=TRAIN_ADAPTER)
-    transformer.add_adapter(copy.deepcopy(lora_config), adapter_name=OLD_ADAPTER)
+    with warnings.catch_warnings():
+        # peft warns that a second adapter is being added: here that is the point (the old policy).
+        warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute", category=UserWarning)
+        transformer.add_adapter(copy.deepcopy(lora_config), adapter_name=OLD_ADAPTER)
     transformer.set_adapter(TRAIN_ADAPTER)
     train, old = lora_parameters(transformer, TRAIN_ADAPTER), lora_parameters(transformer, OLD_ADAPTER)
     if not train:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -255,3 +256,11 @@ def test_ema_swapped_in_and_restored(transformer):
         raise RuntimeError("boom")
     assert_same(snapshot(train), live)
     assert {n for n, p in transformer.named_parameters() if p.requires_grad} == set(train)
+
+
+def test_adding_the_policy_adapters_warns_nothing(tiny_pipeline):
+    # peft's "Already found a `peft_config`" warning would show on every training run: the second adapter is intended.
+    tr = copy.deepcopy(tiny_pipeline.transformer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        add_policy_adapters(tr, small_lora_config())
