@@ -10,7 +10,8 @@ from .images import to_pil
 from .registry import register_reward
 
 
-def _jpeg_kb(images: torch.Tensor, quality: int = 95) -> list[float]:
+def jpeg_kb(images: torch.Tensor, quality: int = 95) -> list[float]:
+    """Size in kB of each image saved as a JPEG at ``quality``."""
     sizes = []
     for im in to_pil(images):
         buf = io.BytesIO()
@@ -22,10 +23,10 @@ def _jpeg_kb(images: torch.Tensor, quality: int = 95) -> list[float]:
 @register_reward("jpeg_compressibility")
 def jpeg_compressibility(prompts: list[str], images: torch.Tensor, **_: object) -> list[float]:
     """Negative JPEG size in kB (quality 95): higher means simpler, more compressible images."""
-    return [-s for s in _jpeg_kb(images)]
+    return [-s for s in jpeg_kb(images)]
 
 
 @register_reward("jpeg_incompressibility")
 def jpeg_incompressibility(prompts: list[str], images: torch.Tensor, **_: object) -> list[float]:
     """JPEG size in kB (quality 95): higher means more detailed images."""
-    return _jpeg_kb(images)
+    return jpeg_kb(images)

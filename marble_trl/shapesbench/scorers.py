@@ -30,13 +30,12 @@ GenEval, the colour and position prompts thus also check the object class, with 
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-from PIL import Image
 
+from ..rewards.jpeg import jpeg_kb
 from .world import COLORS, NUMBERS
 
 FG_MIN_VALUE = 0.35
@@ -214,17 +213,6 @@ def sharpness(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
     """Edge sharpness ``v / (v + 0.02)`` with ``v`` the Laplacian variance: high for crisp edges, low for blur."""
     v = laplacian_variance(images)
     return (v / (v + SHARPNESS_SCALE)).tolist()
-
-
-def jpeg_kb(images: torch.Tensor, quality: int = 95) -> list[float]:
-    """Size in kB of each image saved as a JPEG at ``quality``."""
-    arr = (images.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
-    sizes = []
-    for a in arr:
-        buf = io.BytesIO()
-        Image.fromarray(a).save(buf, format="JPEG", quality=quality)
-        sizes.append(buf.tell() / 1000.0)
-    return sizes
 
 
 def compressibility(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
