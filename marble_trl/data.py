@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Sampler
 
+from .seeding import keyed_generator
+
 BUNDLED_PROMPTS = "tiny_prompts.txt"
 
 
@@ -152,7 +154,7 @@ class GroupSampler(Sampler[int]):
     def _source_stream(self, k: int) -> Iterator[int]:
         """Source ``k``'s rows, in seeded permutations repeated for as long as they are drawn."""
         rows = self.rows_by_source[k]
-        g = torch.Generator().manual_seed(hash((self.seed, self.epoch, k)) % (2**63))
+        g = keyed_generator(self.seed, self.epoch, k)
         while rows:
             for i in torch.randperm(len(rows), generator=g).tolist():
                 yield rows[i]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .scores import composite_zscores, markdown_table, mean_sem, write_csv
+from .seeding import derived_seed
 
 SCORES_FILE = "scores.jsonl"
 SETTINGS_FILE = "settings.json"
@@ -37,7 +38,7 @@ BASE_MODEL_NAME = "base"
 
 def sample_seed(seed: int, prompt_index: int, image_index: int) -> int:
     """The noise seed of image ``image_index`` of prompt ``prompt_index`` (integers hash identically everywhere)."""
-    return hash((int(seed), int(prompt_index), int(image_index))) % (2**63)
+    return derived_seed(seed, prompt_index, image_index)
 
 
 @torch.no_grad()

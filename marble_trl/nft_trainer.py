@@ -72,6 +72,7 @@ from .nft import add_noise, advantage_to_r, nft_loss, nft_loss_terms, old_policy
 from .nft_config import MarbleDiffusionNFTConfig
 from .rewards import RewardFunc, resolve_reward_funcs, reward_name, score_rewards
 from .rollout import PromptEmbeddings, decode_latents, encode_prompts, make_scheduler, sample_latents, training_sigmas
+from .seeding import keyed_generator
 from .sources import SOURCE_COLUMN
 
 
@@ -324,8 +325,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         on which samples a micro-batch holds: 1 process with gradient accumulation and N processes with the same
         global batch draw the same noise, and a resumed run draws what the uninterrupted one did.
         """
-        seed = hash((self.args.seed, self.state.global_step, *keys)) % (2**63)
-        return torch.Generator().manual_seed(seed)
+        return keyed_generator(self.args.seed, self.state.global_step, *keys)
 
     def _global_batch_index(self, micro_batch: int) -> int:
         """accelerate hands global batch ``j`` to process ``j % world``: process p's m-th is ``m * world + p``."""
@@ -485,14 +485,16 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             all_positions = ((idx // micro) * world + ranks) * micro + idx % micro
         ordered = torch.empty_like(all_rewards)
         ordered[:, all_positions] = all_rewards
-        ordered_prompts = [""] * len(all_prompts)
-        for pos, prompt in zip(all_positions.tolist(), all_prompts):
-            ordered_prompts[pos] = prompt
-        ordered_sources = None
-        if all_sources is not None:
-            ordered_sources = [None] * len(all_sources)
-            for pos, source in zip(all_positions.tolist(), all_sources):
-                ordered_sources[pos] = source
+        slots = all_positions.tolist()
+
+        def in_order(values: list[Any]) -> list[Any]:
+            out = [None] * len(values)
+            for pos, value in zip(slots, values):
+                out[pos] = value
+            return out
+
+        ordered_prompts = in_order(all_prompts)
+        ordered_sources = in_order(all_sources) if all_sources is not None else None
         g = self.args.num_generations
         for start in range(0, len(ordered_prompts), g):
             group = ordered_prompts[start : start + g]
@@ -505,6 +507,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
     def _log_rewards(self, rewards: torch.Tensor, sources: list[Any] | None = None) -> None:
         g = self.args.num_generations
+        names = sorted({str(s) for s in sources if s is not None}) if sources is not None else []
+        source_masks = {n: torch.tensor([str(s) == n for s in sources]) for n in names}
         for k, name in enumerate(self.reward_names):
             values = rewards[k]
             ok = ~torch.isnan(values)
@@ -512,8 +516,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             if applicable.numel():
                 self._metrics[f"rewards/{name}/mean"].append(applicable.mean().item())
                 self._metrics[f"rewards/{name}/std"].append(applicable.std(unbiased=False).item())
-            for source in sorted({str(s) for s in sources if s is not None}) if sources is not None else ():
-                mask = ok & torch.tensor([str(s) == source for s in sources])
+            for source, in_source in source_masks.items():
+                mask = ok & in_source
                 if mask.any():  # a reward that informs no sample of this source logs nothing for it
                     self._metrics[f"rewards/{name}/{source}/mean"].append(values[mask].mean().item())
             self._metrics[f"rewards/{name}/frac_not_applicable"].append(1.0 - ok.float().mean().item())
