@@ -61,9 +61,10 @@ from .evaluation import generate_eval_images, grid_image, sample_seed, summarize
 from .lora import (
     TRAIN_ADAPTER,
     LoraEMA,
+    OldPolicy,
     add_policy_adapters,
     lora_parameters,
-    soft_update_old_policy,
+    master_weights,
     use_old_policy,
     use_reference,
 )
@@ -218,6 +219,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
             configure_deepspeed(self)
         self.param_ema = LoraEMA(transformer) if args.param_ema else None
+        self.old_policy = OldPolicy()
         self.balancer = None
         if self.aggregation == "marble":
             self.balancer = MarbleBalancer(
@@ -698,7 +700,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
     def _after_optimizer_step(self) -> None:
         step = self.state.global_step  # optimizer steps completed before this one
-        soft_update_old_policy(self.transformer, old_policy_decay(step, self.args.old_policy_decay))
+        self.old_policy.update(self.transformer, old_policy_decay(step, self.args.old_policy_decay))
         if self.param_ema is not None:
             self.param_ema.update(self.transformer, param_ema_decay(step, self.args.param_ema_max_decay))
         self._metrics["old_policy/decay"].append(old_policy_decay(step, self.args.old_policy_decay))
@@ -721,9 +723,15 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         # ZeRO-3 may partition the LoRA: every process gathers it (DeepSpeed calls _save on all), the main one writes.
-        with gathered(self.trainable_parameters().values()):
+        params = self.trainable_parameters()
+        with gathered(params.values()):
             layers = get_peft_model_state_dict(self.transformer, adapter_name=TRAIN_ADAPTER)
             layers = {name: tensor.detach().cpu().clone() for name, tensor in layers.items()}
+            # DeepSpeed bf16 keeps the float32 weights in its optimizer: save those, not the rounded module copy.
+            masters = {name.replace(f".{TRAIN_ADAPTER}.", "."): v for name, v in master_weights(params).items()}
+            if set(masters) != set(layers):
+                raise RuntimeError(f"peft's LoRA keys {sorted(layers)[:2]} do not match the parameters {sorted(masters)[:2]}.")
+            layers = {name: value.cpu().clone() for name, value in masters.items()}
         if not self.args.should_save:
             return
         os.makedirs(output_dir, exist_ok=True)
