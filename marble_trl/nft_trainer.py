@@ -730,7 +730,9 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             # DeepSpeed bf16 keeps the float32 weights in its optimizer: save those, not the rounded module copy.
             masters = {name.replace(f".{TRAIN_ADAPTER}.", "."): v for name, v in master_weights(params).items()}
             if set(masters) != set(layers):
-                raise RuntimeError(f"peft's LoRA keys {sorted(layers)[:2]} do not match the parameters {sorted(masters)[:2]}.")
+                raise RuntimeError(
+                    f"peft's LoRA keys {sorted(layers)[:2]} do not match the parameters {sorted(masters)[:2]}."
+                )
             layers = {name: value.cpu().clone() for name, value in masters.items()}
         if not self.args.should_save:
             return

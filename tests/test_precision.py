@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig
+from test_trainer import brightness, tiny_args
 from transformers import TrainerCallback
 
 import marble_trl.nft_trainer as nft_trainer
@@ -13,7 +14,6 @@ from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.data import load_prompt_dataset
 from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, LoraEMA, OldPolicy, add_policy_adapters, lora_parameters
 from marble_trl.models import load_sd3_pipeline, predict_velocity
-from test_trainer import brightness, tiny_args
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -77,7 +77,7 @@ def test_soft_update_of_a_downcast_old_adapter_is_float32_exact(eta):
             naive[n].mul_(eta).add_(p.detach(), alpha=1 - eta)
     master = policy.master_state()
     assert master is not None and {t.dtype for t in master.values()} == {torch.float32}
-    for n, p in train.items():
+    for n in train:
         scale = exact[n].abs().max().item()
         # 20 float32 multiply-adds: at most ~1 ulp each
         assert (master[_old_name(n)].double() - exact[n]).abs().max().item() <= 40 * EPS32 * scale
