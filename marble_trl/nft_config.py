@@ -13,7 +13,7 @@ from .advantages import SCALE_REWARDS
 from .nft import DECAY_TYPES
 
 AGGREGATIONS = ("auto", "marble", "sum_then_normalize", "normalize_then_sum")
-SAMPLER_ALIASES = ("euler", "heun", "dpm2")
+SAMPLER_ALIASES = ("euler", "heun", "dpm2", "dpm2_diffusers")
 DEFAULT_LORA_TARGETS = [
     "attn.to_q",
     "attn.to_k",
@@ -96,8 +96,9 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         default="dpm2",
         metadata={
             "help": "Rollout ODE solver: 'euler' (FlowMatchEulerDiscreteScheduler), 'heun' (FlowMatchHeunDiscrete"
-            "Scheduler), 'dpm2' (2nd-order DPMSolverMultistepScheduler with flow sigmas; the reference), "
-            "'pipeline' (the pipeline's own scheduler), or any diffusers scheduler class name."
+            "Scheduler), 'dpm2' (the reference's 2nd-order multistep DPM-Solver on the pipeline's Euler sigma grid, "
+            "the training grid), 'dpm2_diffusers' (diffusers' DPMSolverMultistepScheduler with flow sigmas, its own "
+            "grid), 'pipeline' (the pipeline's own scheduler), or any diffusers scheduler class name."
         },
     )
     num_sample_steps: int = field(

@@ -26,9 +26,13 @@ The ``transformers.Trainer`` hooks overridden, and why:
   Hub uploads (:mod:`marble_trl.hub`);
 - ``_send_telemetry``: TRL's reads ``model.config.model_type``, which diffusers models lack.
 
-Deviations from the reference code: the training timesteps are the Euler sigma grid of the pipeline's shift with
-``num_sample_steps`` points for every rollout solver (the reference uses its sampler's own grid; identical for
-Euler); advantages use population stds as the reference does (TRL's GRPO uses unbiased ones).
+Rollouts and training share the reference's grid: the training timesteps are the Euler sigma grid of the pipeline's
+shift with ``num_sample_steps`` points, and the default ``dpm2`` rollout solver is the reference's 2nd-order DPM-Solver
+evaluated at exactly those sigmas (:mod:`marble_trl.dpm_solver`). Deviations from the reference code
+(``docs/nft-loss.md`` lists them all): rollout timesteps are not rounded to integers; the old-policy and EMA decays
+use the 0-based index of the step just taken; the LoRA is float32 and the base model may be bf16 (the reference
+keeps the whole transformer in float32 under autocast); advantages use population stds as the reference does (TRL's
+GRPO uses unbiased ones).
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 DiffusionNFT needs only the final clean latents ``x0`` of each rollout (no trajectory, no log-probabilities), so any
 diffusers flow scheduler works; sampling goes through the pipeline's own ``__call__`` with precomputed prompt
-embeddings and ``output_type="latent"``.
+embeddings and ``output_type="latent"``. The default ``dpm2`` is the reference's solver, which evaluates the model at
+the training grid's sigmas (:mod:`marble_trl.dpm_solver`); ``euler`` does too; ``heun`` and ``dpm2_diffusers``
+(diffusers' ``DPMSolverMultistepScheduler``) evaluate it elsewhere.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ def make_scheduler(name: str, base_scheduler):
         return diffusers.FlowMatchEulerDiscreteScheduler.from_config(config)
     if name == "heun":
         return diffusers.FlowMatchHeunDiscreteScheduler.from_config(config)
-    if name == "dpm2":
+    if name == "dpm2":  # the reference's solver on the pipeline's Euler grid (marble_trl.dpm_solver)
+        from .dpm_solver import FlowMatchDPMSolver2Scheduler
+
+        return FlowMatchDPMSolver2Scheduler.from_config(config)
+    if name == "dpm2_diffusers":  # diffusers' own DPM-Solver grid, which differs from the training grid
         return diffusers.DPMSolverMultistepScheduler(
             num_train_timesteps=config.get("num_train_timesteps", 1000),
             solver_order=2,
