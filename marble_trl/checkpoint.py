@@ -132,7 +132,11 @@ def save_training_state(trainer: MarbleDiffusionNFTTrainer, folder: str | os.Pat
         "param_ema": None,
         "balancer": None,
     }
-    save_lora_file(trainer, folder, adapter_state(trainer.transformer, OLD_ADAPTER), OLD_POLICY_FILE)
+    old = adapter_state(trainer.transformer, OLD_ADAPTER)
+    master = trainer.old_policy.master_state()  # DeepSpeed bf16: the float32 weights, not the rounded adapter
+    if master is not None:
+        old = {lora_key(n, OLD_ADAPTER): t.contiguous() for n, t in master.items()}
+    save_lora_file(trainer, folder, old, OLD_POLICY_FILE)
     if trainer.param_ema is not None:
         ema = {lora_key(n, TRAIN_ADAPTER): t.contiguous() for n, t in trainer.param_ema.state_dict().items()}
         save_lora_file(trainer, folder, ema, EMA_FILE)
@@ -198,6 +202,7 @@ def load_training_state(trainer: MarbleDiffusionNFTTrainer, folder: str | os.Pat
     transformer = trainer.transformer
     load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
     load_adapter_state(transformer, OLD_ADAPTER, folder / files["old_policy"])
+    trainer.old_policy.reset()  # the adapter (float32 outside DeepSpeed, where resuming is refused) is the truth
     if trainer.param_ema is not None:
         if not files.get("param_ema"):
             raise ValueError(f"{folder} has no parameter EMA (trained with param_ema=False); this trainer has one.")
@@ -336,7 +341,9 @@ class SaveOnSignalCallback(TrainerCallback):
     written even with ``save_strategy="no"``. With several processes the flag is all-reduced at each step end, so
     all of them stop at the same step. Remove it with ``trainer.remove_callback(SaveOnSignalCallback)``.
 
-    Handlers are installed by :func:`training_session` around ``trainer.train()`` (main thread only).
+    Handlers are installed by :func:`training_session` around ``trainer.train()`` (main thread only). A signal the
+    process inherited as ignored stays ignored: a background job (``cmd &``) keeps ignoring SIGINT, SIGTERM still
+    writes its checkpoint.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -360,9 +367,24 @@ class SaveOnSignalCallback(TrainerCallback):
         )
 
     def install(self) -> None:
+        """Handle the signals this process does not ignore.
+
+        A signal inherited as ignored stays ignored (the Unix convention: a non-interactive shell starts background
+        jobs, ``cmd &``, with SIGINT ignored, so that an interrupt meant for the foreground job does not reach them;
+        ``nohup`` does the same with SIGHUP). A handler installed outside Python (``signal.getsignal`` returns
+        ``None``) is left alone too: it could not be restored afterwards.
+        """
         self.received = None
         self.trainer.stopped_by_signal = None
-        self._previous = {s: signal.signal(s, self.handle) for s in self.SIGNALS}
+        self._previous = {}
+        for s in self.SIGNALS:
+            previous = signal.getsignal(s)
+            if previous is signal.SIG_IGN or previous is None:
+                name = signal.Signals(s).name
+                how = "ignored" if previous is signal.SIG_IGN else "handled outside Python"
+                logger.info("%s is %s in this process: left as it is (no checkpoint on %s).", name, how, name)
+                continue
+            self._previous[s] = signal.signal(s, self.handle)
 
     def restore(self) -> None:
         for s, handler in getattr(self, "_previous", {}).items():

@@ -30,7 +30,12 @@ from marble_trl.checkpoint import (
 )
 from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
 
-pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning"),
+    # The signal tests rely on Python's default handlers, not on the ones the test process inherited: a background
+    # job (`python -m pytest &` in a script) starts with SIGINT ignored, and an ignored SIGINT stays ignored.
+    pytest.mark.usefixtures("default_signals"),
+]
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
@@ -177,14 +182,23 @@ def _reader(stream, lines: queue.Queue) -> None:
     lines.put(None)
 
 
+_EXEC_WITH_SIGINT_IGNORED = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
 @pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
+    """`marble-trl train` started as a background job (SIGINT ignored): SIGINT does nothing, SIGTERM stops the run
+    after the current step with a checkpoint, and the process exits with status 0."""
     out = tmp_path / "run"
     cmd = [
         sys.executable, "-u", "-m", "marble_trl.cli", "train", "--config", str(RECIPE), "--output_dir", str(out),
         "--max_steps", "500", "--disable_tqdm", "true", "--sample_grid_prompts", "0", "--num_generations", "4",
         "--per_device_train_batch_size", "4", "--resolution", "16", "--num_sample_steps", "2",
     ]  # fmt: skip
+    # Started the way `cmd &` starts a background job: SIGINT ignored (exec keeps an ignored signal ignored).
+    cmd = [sys.executable, "-c", _EXEC_WITH_SIGINT_IGNORED, *cmd]
     proc = subprocess.Popen(
         cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -197,6 +211,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
         output.append(line)
         if "'loss'" in line:
             break
+    proc.send_signal(signal.SIGINT)  # ignored, as in any background job: it neither stops nor aborts the run
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=300) == 0
     while (line := lines.get(timeout=30)) is not None:
@@ -241,6 +256,64 @@ def test_second_signal_aborts_without_saving(tmp_path):
         trainer.train()
     assert signal.getsignal(signal.SIGINT) is previous
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+class _Trainer:
+    """The little of a trainer that SaveOnSignalCallback touches outside training."""
+
+    stopped_by_signal = None
+
+
+def test_signal_handlers_respect_an_ignored_sigint():
+    """Inherited SIG_IGN stays: the callback handles SIGTERM only, and restores both as they were."""
+    from marble_trl.checkpoint import SaveOnSignalCallback
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the fixtures restore the handlers after the test
+    callback = SaveOnSignalCallback(_Trainer())
+    callback.install()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGTERM) == callback.handle
+    callback.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's default: both handled, both restored
+    callback.install()
+    assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == callback.handle
+    callback.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_signal_handlers_leave_a_non_python_handler_alone(monkeypatch):
+    """signal.getsignal() is None for a handler installed outside Python: it could not be restored, so it is kept."""
+    from marble_trl.checkpoint import SaveOnSignalCallback
+
+    real = signal.getsignal
+    monkeypatch.setattr(signal, "getsignal", lambda s: None if s == signal.SIGINT else real(s))
+    callback = SaveOnSignalCallback(_Trainer())
+    callback.install()
+    assert real(signal.SIGINT) is signal.default_int_handler and real(signal.SIGTERM) == callback.handle
+    callback.restore()
+    assert real(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_ignored_sigint_neither_stops_nor_aborts_training(tmp_path):
+    """A run started with SIGINT ignored (a background job) trains on through SIGINTs; SIGTERM still stops it
+    with a checkpoint, and the ignored SIGINT is left ignored afterwards."""
+
+    class Signals(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            if state.global_step == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    trainer = make_trainer(tmp_path / "run", max_steps=3, callbacks=[Signals()])
+    trainer.train()
+    assert trainer.stopped_by_signal == "SIGTERM" and trainer.state.global_step == 2
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint-2"]
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def _torchrun(script: Path, *args: str) -> None:
