@@ -187,7 +187,9 @@ def test_auto_falls_back_to_reference_with_warning(caplog: pytest.LogCaptureFixt
     with caplog.at_level(logging.WARNING, logger="marble_trl.balance.gram"):
         engine = make_gradient_engine("auto", params, 2, model)
     assert isinstance(engine, ReferenceGradientEngine)
-    assert len(caplog.records) == 1 and "attn.norm_q.weight" in caplog.text
+    # Only this module's records: caplog sees every logger that propagates (transformers' do when CI is set).
+    warned = [r.getMessage() for r in caplog.records if r.name == "marble_trl.balance.gram"]
+    assert len(warned) == 1 and "attn.norm_q.weight" in warned[0]
     with pytest.raises(ValueError, match="norm_q.weight"):
         make_gradient_engine("two_stream", params, 2, model)
     with pytest.raises(ValueError, match="Unknown gradient engine"):

@@ -16,10 +16,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -69,14 +71,25 @@ def _free_port() -> int:
 
 
 def _env(**extra: str) -> dict[str, str]:
+    # CPU runs on any machine: DS_ACCELERATOR=cpu for DeepSpeed, and no GPU for accelerate to pick instead.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop("ACCELERATE_USE_CPU", None)
     env.update(extra)
     return env
 
 
-def _run(cmd: list[str], env: dict[str, str], out: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+_PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+
+
+def _run(command: Callable[[int], list[str]], env: dict[str, str], out: Path, attempts: int = 3):
+    """Run ``command(port)`` for a free ``main_process_port``. The port is free when chosen but not reserved: another
+    process (say, a second test session on the machine) can bind it first. Then the launch is retried on a new one."""
+    for attempt in range(attempts):
+        proc = subprocess.run(command(_free_port()), env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode == 0 or not _PORT_TAKEN.search(proc.stderr) or attempt == attempts - 1:
+            break
+        shutil.rmtree(out, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     assert (out / LORA).is_file()
     return proc
@@ -128,21 +141,30 @@ def plain_run(tmp_path_factory) -> Path:
     from marble_trl.cli import main
 
     out = tmp_path_factory.mktemp("plain")
-    assert main(["train", *TRAIN_ARGS, "--output_dir", str(out)]) == 0
+    # One intra-op thread, as the launched runs have (OMP_NUM_THREADS=1): the reference is then computed the same
+    # way on every machine, whatever its number of cores (thread count can change float summation order).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["train", *TRAIN_ARGS, "--output_dir", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
 @pytest.mark.slow
 def test_accelerate_config_wrapper_two_processes_match_one(plain_run, init_lora, tmp_path):
     config = yaml.safe_load((ACCELERATE / "multi_gpu.yaml").read_text())
-    config["main_process_port"] = _free_port()
     config_file = tmp_path / "multi_gpu.yaml"
-    config_file.write_text(yaml.safe_dump(config))
     out = tmp_path / "two"
-    cmd = [sys.executable, "-m", "marble_trl.cli", "train", *TRAIN_ARGS, "--output_dir", str(out)]
-    cmd += ["--accelerate_config", str(config_file), "--num_processes", "2"]
+
+    def command(port: int) -> list[str]:
+        config_file.write_text(yaml.safe_dump({**config, "main_process_port": port}))
+        cmd = [sys.executable, "-m", "marble_trl.cli", "train", *TRAIN_ARGS, "--output_dir", str(out)]
+        return cmd + ["--accelerate_config", str(config_file), "--num_processes", "2"]
+
     # CPU processes with gloo: the MULTI_GPU launcher with ACCELERATE_USE_CPU=true in the children.
-    proc = _run(cmd, _env(ACCELERATE_USE_CPU="true"), out)
+    proc = _run(command, _env(ACCELERATE_USE_CPU="true"), out)
     assert "accelerate.commands.launch --config_file" in proc.stdout
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["global_step"] == 3
@@ -151,11 +173,17 @@ def test_accelerate_config_wrapper_two_processes_match_one(plain_run, init_lora,
     _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
 
 
+def _deepspeed_command(config: Path, out: Path, train_args: list[str]) -> Callable[[int], list[str]]:
+    def command(port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+        cmd += ["--num_processes", "1", "--main_process_port", str(port)]
+        return cmd + ["-m", "marble_trl.cli", "train", *train_args, "--output_dir", str(out), "--use_cpu", "false"]
+
+    return command
+
+
 def _deepspeed_run(config: Path, out: Path, train_args: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
-    cmd += ["--num_processes", "1", "--main_process_port", str(_free_port())]
-    cmd += ["-m", "marble_trl.cli", "train", *train_args, "--output_dir", str(out), "--use_cpu", "false"]
-    return _run(cmd, _env(), out)
+    return _run(_deepspeed_command(config, out, train_args), _env(), out)
 
 
 @pytest.mark.slow
@@ -204,11 +232,9 @@ def test_deepspeed_zero3_partitioned_matches_plain_run(plain_run, init_lora, tmp
     )
     out = tmp_path / "zero3"
     rewards = ["--reward_funcs", "zero3_probe:probe", "jpeg_compressibility"]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "zero3.yaml")]
-    cmd += ["--num_processes", "1", "--main_process_port", str(_free_port())]
-    cmd += ["-m", "marble_trl.cli", "train", *TRAIN_ARGS, *rewards, "--output_dir", str(out), "--use_cpu", "false"]
+    command = _deepspeed_command(tmp_path / "zero3.yaml", out, [*TRAIN_ARGS, *rewards])
     pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    _run(cmd, _env(PYTHONPATH=pythonpath), out)
+    _run(command, _env(PYTHONPATH=pythonpath), out)
     _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
 
 
@@ -240,3 +266,27 @@ def test_gradient_checkpointing_reaches_the_diffusers_transformer(tmp_path):
     assert not trainer.transformer.is_gradient_checkpointing
     trainer.train()
     assert trainer.transformer.is_gradient_checkpointing
+
+
+def test_launch_retries_when_its_port_is_taken(tmp_path, monkeypatch):
+    """`_free_port` cannot reserve the port it returns: a launch that finds it taken is retried on another one."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    ports = iter([port])
+    real = _free_port
+    monkeypatch.setattr(sys.modules[__name__], "_free_port", lambda: next(ports, None) or real())
+    out, tried = tmp_path / "out", []
+    bind = (
+        "import socket, sys, pathlib; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); "
+        "pathlib.Path(sys.argv[2]).mkdir(); pathlib.Path(sys.argv[2], sys.argv[3]).write_text('x')"
+    )
+
+    def command(port: int) -> list[str]:
+        tried.append(port)
+        return [sys.executable, "-c", bind, str(port), str(out), LORA]
+
+    with taken:
+        _run(command, dict(os.environ), out)
+    assert len(tried) == 2 and tried[0] == port != tried[1]
