@@ -138,6 +138,14 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             "(eta=0), 'delayed' (0 for 75 steps then 0.0075/step up to 0.999, the reference's OCR schedule)."
         },
     )
+    old_policy_update_interval: int = field(
+        default=1,
+        metadata={
+            "help": "Optimizer steps per old-policy soft update: the update (with the decay of the step just taken) "
+            "runs after every N-th optimizer step, so N steps roll out with the same old policy. The reference "
+            "updates once per epoch of sampling: 1 step per epoch by default, 2 in its OCR setting."
+        },
+    )
 
     # --- rewards ---
     reward_weights: list[float] | None = field(
@@ -300,6 +308,11 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         need(
             self.old_policy_decay in DECAY_TYPES,
             f"old_policy_decay must be one of {DECAY_TYPES}, got {self.old_policy_decay!r}.",
+        )
+        need(
+            self.old_policy_update_interval >= 1,
+            f"old_policy_update_interval must be >= 1 (1 = after every optimizer step), got "
+            f"{self.old_policy_update_interval}.",
         )
         need(
             self.scale_rewards in SCALE_REWARDS,

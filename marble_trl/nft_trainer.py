@@ -704,10 +704,12 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
     def _after_optimizer_step(self) -> None:
         step = self.state.global_step  # optimizer steps completed before this one
-        self.old_policy.update(self.transformer, old_policy_decay(step, self.args.old_policy_decay))
+        if (step + 1) % self.args.old_policy_update_interval == 0:
+            eta = old_policy_decay(step, self.args.old_policy_decay)
+            self.old_policy.update(self.transformer, eta)
+            self._metrics["old_policy/decay"].append(eta)
         if self.param_ema is not None:
             self.param_ema.update(self.transformer, param_ema_decay(step, self.args.param_ema_max_decay))
-        self._metrics["old_policy/decay"].append(old_policy_decay(step, self.args.old_policy_decay))
         self._metrics["time/train"].append(self._step_timer.pop("train", 0.0))
 
     # ------------------------------------------------------------------ logging and saving

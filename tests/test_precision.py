@@ -3,6 +3,14 @@ train like float32 ones (issue: "LoRA adapters become bf16 in every SD3.5 recipe
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from peft import LoraConfig
@@ -149,3 +157,22 @@ def test_bf16_run_trains_like_the_float32_run(tmp_path):
     assert update32.norm() > 0
     rel = ((update16 - update32).norm() / update32.norm()).item()
     assert rel < 0.25, rel
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None or shutil.which("c++") is None,
+    reason="needs deepspeed (pip install 'marble-trl[deepspeed]') and a C++ compiler for its CPU op",
+)
+def test_deepspeed_bf16_keeps_float32_masters_of_every_adapter():
+    """A real ZeRO-2 bf16 engine (its own process: it initialises torch.distributed): the LoRA masters come from
+    DeepSpeed's optimizer, the old policy and the EMA follow their float32 formulas (tests/dist/deepspeed_bf16_masters.py)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).parent / "dist" / "deepspeed_bf16_masters.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(port)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 ACCELERATE_CONFIGS = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 # world sizes each recipe is validated at (batching must split into whole micro-batches and whole groups)
-WORLD_SIZES = {"tiny-cpu.yaml": (1, 2), "sd35m-marble-24gb.yaml": (1,)}
+# the OCR recipe: 576 images per step in micro-batches of 8 = 72, split over at most 8 processes
+WORLD_SIZES = {"tiny-cpu.yaml": (1, 2), "sd35m-marble-24gb.yaml": (1,), "sd35m-nft-ocr.yaml": (1, 2, 4, 8)}
 DEFAULT_WORLD_SIZES = (1, 2, 4, 8, 16)
 
 
@@ -110,6 +111,7 @@ def test_paper_recipe_is_faithful(tmp_path):
     assert {k: getattr(ws, k) for k in same_budget} == {k: getattr(marble, k) for k in same_budget}
     _, ocr = _parse(ROOT / "recipes" / "sd35m-nft-ocr.yaml", 8, tmp_path)
     assert (ocr.nft_beta, ocr.old_policy_decay, ocr.num_sample_steps) == (0.1, "delayed", 10)
+    assert (ocr.prompts_per_step, ocr.old_policy_update_interval) == (24, 2)  # the reference: 2 steps per epoch
     _, small = _parse(ROOT / "recipes" / "sd35m-marble-24gb.yaml", 1, tmp_path)
     assert small.gradient_checkpointing and small.num_generations < marble.num_generations
 

@@ -278,3 +278,42 @@ def test_single_reward_weight_does_not_scale_the_advantage(tmp_path):
     ratio = advantages[1].norm() / advantages[0].norm()
     assert 0.9 < ratio < 1.1, ratio
     assert torch.equal(advantages[1].sign(), advantages[0].sign())
+
+
+def test_old_policy_update_interval_keeps_the_old_policy_for_n_steps(tmp_path):
+    """old_policy_update_interval=2 (the reference's OCR setting: 2 optimizer steps per sampling epoch): the old
+    policy moves only after every second optimizer step, so two steps roll out with the same old policy."""
+    from transformers import TrainerCallback
+
+    from marble_trl.lora import lora_parameters as trainer_lora
+
+    snapshots = []
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            t = trainer.transformer
+            old = {n: p.detach().clone() for n, p in trainer_lora(t, OLD_ADAPTER).items()}
+            new = {
+                n.replace(f".{TRAIN_ADAPTER}.", f".{OLD_ADAPTER}."): p.detach().clone()
+                for n, p in trainer_lora(t, TRAIN_ADAPTER).items()
+            }
+            snapshots.append((old, new))
+
+    args = tiny_args(tmp_path, max_steps=3, old_policy_decay="on_policy", old_policy_update_interval=2)
+    trainer = MarbleDiffusionNFTTrainer("tiny", brightness, args=args, train_dataset=load_prompt_dataset())
+    init = {n: p.detach().clone() for n, p in trainer_lora(trainer.transformer, OLD_ADAPTER).items()}
+    trainer.add_callback(Snapshot())
+    trainer.train()
+    (old1, new1), (old2, new2), (old3, new3) = snapshots
+    assert all(torch.equal(old1[n], init[n]) for n in init)  # after step 1: not updated
+    assert any(not torch.equal(new1[n], init[n]) for n in init)
+    assert all(torch.equal(old2[n], new2[n]) for n in init)  # after step 2: eta = 0 copies the trained adapter
+    assert all(torch.equal(old3[n], old2[n]) for n in init)  # after step 3: not updated
+    assert any(not torch.equal(new3[n], new2[n]) for n in init)
+    decays = [h.get("old_policy/decay") for h in trainer.state.log_history if "loss" in h]
+    assert decays == [None, 0.0, None]
+
+
+def test_old_policy_update_interval_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="old_policy_update_interval must be >= 1"):
+        tiny_args(tmp_path, old_policy_update_interval=0)
