@@ -6,7 +6,8 @@ and ``MarbleBalancer.combine`` returns the update of Eq. 7; ``advantage_weights`
 N-1 amortised steps in between (Prop. 1: ``A_bar = sum_k alpha_bar_k A_k``, one ordinary backward).
 
 1. Eq. 5  ``gh_k = g_k / ||g_k||``, done in Gram space: ``Mh_ij = M_ij / (||g_i|| ||g_j||)`` with ``M = G G^T``.
-2. Eq. 6  ``alpha* = argmin_{alpha in simplex} alpha^T Mh alpha`` (cvxopt, ``qp.solve_min_norm``).
+2. Eq. 6  ``alpha* = argmin_{alpha in simplex} alpha^T Mh alpha`` (cvxopt, then an exact active-set polish:
+   ``qp.solve_min_norm``).
 3. Eq. 7  ``d_final = (sum_k alpha*_k gh_k) * mean_k ||g_k||``, formed as one ``[K] x [K, P]`` product.
 4. Eq. 12 ``alpha_bar <- rho alpha_bar + (1 - rho) alpha*`` after each successful refresh.
 
@@ -23,15 +24,18 @@ Choices and deviations (all documented where they happen):
   (e.g. skip the step).
 - The Gram is ONE matmul in the buffers' own dtype (float32 accumulation for float32 buffers, no [K, P] float64 copy);
   only the K x K result is cast to float64. Its entries carry ~1e-7 relative rounding (more for P ~ 2e7), so
-  normalised Gram entries (cosines) are accurate to ~1e-6, the size of the QP ridge; pass float64 buffers when that
-  matters. float16/bfloat16 buffers are upcast to float32 once (fp16 sums of squares overflow). TF32 is switched
-  off around the Gram matmul (and restored): it would make the cosines accurate only to ~1e-3.
+  normalised Gram entries (cosines) are accurate to ~1e-6. The QP solves the Gram it is given to float64 rounding
+  (see ``qp``), so this rounding, not the solver, limits alpha; pass float64 buffers when that matters.
+  float16/bfloat16 buffers are upcast to float32 once (fp16 sums of squares overflow). TF32 is switched off around
+  the Gram matmul (and restored): it would make the cosines accurate only to ~1e-3.
 - Pareto-stationary gradients (``||sum_k alpha*_k gh_k|| <= 1e-6``, e.g. ``g`` and ``-g``): ``d_final`` is exactly 0
   rather than rounding noise pointing anywhere (the paper's formula gives a vector ~1e-10 of the gradients); the
   cosines are then 0 and no conflict is reported. ``info["direction_norm"]`` logs ``||sum_k alpha_k gh_k||``.
-  With float32 Grams the QP resolves this norm only to ~1e-3, so near-stationary cosines are noisy anyway.
+  The Gram's rounding limits this norm to about the square root of the cosines' accuracy (~1e-3 for float32 Grams,
+  ~1e-7 for float64 ones at moderate P), so near-stationary cosines are noisy anyway.
 - Optional final stage (``uniform_final_steps`` out of ``max_steps``): no refreshes, uniform advantage weights.
-- Clamp violations (``|A_k| >= A_max`` breaks Prop. 1's identity) are only counted (the paper's
+- Clamp violations (samples with some ``|A_k| > A_max``: only then is an ``r_k`` clipped, which breaks Prop. 1's
+  identity; ``|A_k| = A_max`` is still on the affine piece of ``r``) are only counted (the paper's
   ``pareto_fallback_used``); acting on them is the trainer's business.
 - Everything is a deterministic function of the Gram: ranks holding bitwise-identical all-reduced buffers get the
   same alpha. If that is not guaranteed, solve on rank 0 and broadcast (``state_dict``/``refresh`` make it easy).
@@ -261,7 +265,8 @@ class MarbleBalancer:
         return a / a.sum()
 
     def record_clamp_violations(self, n: int) -> None:
-        """Count samples where some ``|A_k| >= A_max`` (Prop. 1's identity is then inexact on amortised steps)."""
+        """Count samples where some ``|A_k| > A_max`` (Prop. 1's identity is then inexact on amortised steps;
+        ``|A_k| = A_max`` exactly is not a violation: ``r`` is affine on the closed interval)."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         self._num_clamp_violations += int(n)
