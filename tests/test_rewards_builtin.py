@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import base64
+import copy
+import gzip
+import hashlib
+import importlib
+import importlib.util
 import json
+import logging
 import math
+import os
+import shutil
 import string
 import sys
+import types
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,6 +30,7 @@ from marble_trl.rewards.clip_family import (
     AestheticMLP,
     ImageTransform,
     hps_transform,
+    open_clip_clean,
     open_clip_to_transformers,
     parse_dtype,
 )
@@ -95,6 +108,11 @@ def images() -> torch.Tensor:
     torch.manual_seed(1)
     # Smooth random images at a size the processor must resize (48x40 -> shortest edge 32, crop 32).
     return torch.nn.functional.interpolate(torch.rand(4, 3, 6, 5), size=(48, 40), mode="bilinear")
+
+
+def pooled(out: Any) -> torch.Tensor:
+    # CLIPModel.get_*_features: a tensor in transformers 4, an output object (pooler_output) in 5.
+    return out if isinstance(out, torch.Tensor) else out.pooler_output
 
 
 def manual_embeddings(path: Path, prompts: list[str], images: torch.Tensor) -> tuple[CLIPModel, torch.Tensor]:
@@ -315,6 +333,21 @@ def test_hps_transform_resizes_longest_side_and_pads() -> None:
     )
 
 
+def test_hps_transform_keeps_the_bicubic_overshoot() -> None:
+    # HPSv2's preprocess_val resizes the float tensor after ToTensor(): torchvision's tensor resize, which is
+    # F.interpolate(bicubic, antialias=True) with no clamping (checked by hand against torchvision 0.28, see
+    # docs/rewards.md). A sharp square overshoots past 0 and 1; those values reach the model.
+    x = torch.zeros(1, 3, 40, 60)
+    x[..., 10:30, 20:40] = 1.0
+    mean = torch.tensor([0.48145466, 0.4578275, 0.40821073]).view(1, 3, 1, 1)
+    std = torch.tensor([0.26862954, 0.26130258, 0.27577711]).view(1, 3, 1, 1)
+    out = hps_transform(x, 30) * std + mean
+    ref = torch.nn.functional.interpolate(x, size=(20, 30), mode="bicubic", align_corners=False, antialias=True)
+    assert ref.min() < -0.01 and ref.max() > 1.01
+    torch.testing.assert_close(out[..., 5:25, :], ref)
+    torch.testing.assert_close(out[..., :5, :], torch.zeros(1, 3, 5, 30), atol=1e-6, rtol=0)  # zero padding
+
+
 def test_hpsv2_checkpoint_that_does_not_fit_is_reported(tiny_hps: tuple[Path, Path], tmp_path: Path) -> None:
     clip_dir, ckpt = tiny_hps
     state = torch.load(ckpt, weights_only=True)["state_dict"]
@@ -326,68 +359,251 @@ def test_hpsv2_checkpoint_that_does_not_fit_is_reported(tiny_hps: tuple[Path, Pa
         fn(PROMPTS[:1], torch.rand(1, 3, 32, 32))
 
 
-def test_hpsv2_matches_open_clip(tmp_path: Path, images: torch.Tensor) -> None:
-    """The conversion against open_clip itself (runs only where open_clip and a working torchvision import)."""
+# ---------------------------------------------------------------------------------------------------------------------
+# HPSv2.1 against HPSv2's own open_clip code, vendored byte-for-byte in tests/_vendor/hpsv2_open_clip (its README says
+# why it is vendored and not installed: hpsv2 and open-clip-torch need a torchvision that cannot import here)
+
+HPS_VENDOR = Path(__file__).parent / "_vendor" / "hpsv2_open_clip"
+# sha256 (urlsafe base64, as in a wheel's RECORD) of hpsv2-1.2.0-py3-none-any.whl's hpsv2/src/open_clip/<file>.
+HPS_VENDOR_RECORD = {
+    "model.py": "gcUU52xE-pln48PILYtVjRyMgDG_d-UXDg1LGsU-nEY",
+    "transformer.py": "Zrf2rl2kYWLTAru0kKdenQxMyltA0pgtwEkXnWsNKdw",
+    "utils.py": "bSlOccwUoBrRl3Hb8ifVEYVNd06o3bpNA9W4X-uQUhM",
+    "tokenizer.py": "nbAsWS_QWGQbUn9-tMTeVi5coNvWEg6Y9Emnu-8lHmw",
+    "constants.py": "PKjrqkcdpJK_MQmnTsZ2oxhxIHn9AlI-y2ap87BnR1Q",
+}
+# A small BPE merges file in the format of open_clip's bpe_simple_vocab_16e6.txt.gz (a header line, then one merge per
+# line, rank order). Vocabulary: 256 byte symbols, the same 256 with "</w>", one token per merge, then
+# <start_of_text> and <end_of_text>: the end-of-text token is the highest id, as in the real 49408-token vocabulary.
+# fmt: off
+HPS_MERGES = ["t h", "th e</w>", "c a", "ca t</w>", "o n</w>", "r e", "d o", "do g", "a n</w>", "h o", "ho r", "s e</w>",
+              "hor se</w>"]
+# fmt: on
+# ViT-H-14.json (open_clip's and hpsv2's): {"embed_dim": 1024, "vision_cfg": {"image_size": 224, "layers": 32,
+# "width": 1280, "head_width": 80, "patch_size": 14}, "text_cfg": {"context_length": 77, "vocab_size": 49408,
+# "width": 1024, "heads": 16, "layers": 24}}. The same keys (so the same classes: class-token ViT with ln_pre and
+# ln_post, causal text transformer pooled at the end-of-text token, GELU, bias-free projections) at tiny sizes; the
+# 224 px input keeps HPSv2's preprocessing real. vocab_size is filled in from the tokenizer.
+TINY_VIT_H_14 = {
+    "embed_dim": 16,
+    "vision_cfg": {"image_size": 224, "layers": 2, "width": 40, "head_width": 8, "patch_size": 56},
+    "text_cfg": {"context_length": 77, "vocab_size": None, "width": 32, "heads": 4, "layers": 2},
+}
+HPS_PROMPTS = [
+    "a red cat on the mat",
+    "two dogs!! one horse!",  # "!" is the pad token of laion's transformers tokenizers
+    "A sign that says “OPEN” &amp;amp; a ﬁsh  in\tＦＵＬＬ width",  # changed by open_clip's ftfy/html/whitespace clean
+    "an astronaut riding a horse " * 12,  # over 77 tokens: truncated, end-of-text token kept last
+]
+
+
+def load_hpsv2_open_clip(tmp: Path) -> types.SimpleNamespace:
+    """Import the vendored files as the private package ``_hpsv2_open_clip`` without hpsv2's ``__init__``.
+
+    Test-only stand-ins, present only while importing: ``torchvision.ops.misc.FrozenBatchNorm2d`` (utils.py imports
+    it to freeze ResNet towers) and the HF-text / ResNet / timm tower modules model.py imports (not used by ViT CLIPs).
+    tokenizer.py runs with ``__file__`` in ``tmp``, so its module-level ``SimpleTokenizer()`` reads HPS_MERGES.
+    """
     try:
-        import open_clip
-        from open_clip.tokenizer import SimpleTokenizer
-    except Exception as err:  # ImportError, or torchvision built for another torch
-        pytest.skip(f"open_clip unavailable: {err}")
-    cfg = {
-        "embed_dim": 16,
-        "vision_cfg": {"image_size": 28, "layers": 2, "width": 32, "head_width": 8, "patch_size": 7},
-        "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 32, "heads": 4, "layers": 2},
+        import ftfy  # noqa: F401  (tokenizer.py imports it)
+    except ImportError as err:
+        raise ImportError('ftfy is missing: it is in the dev extra, pip install -e ".[dev]"') from err
+    name = "_hpsv2_open_clip"
+    with gzip.open(tmp / "bpe_simple_vocab_16e6.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("\n".join(["#version: 0.2", *HPS_MERGES]))  # no final newline: open_clip would read an empty merge
+
+    class FrozenBatchNorm2d(torch.nn.Module):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise NotImplementedError("test stand-in for torchvision's FrozenBatchNorm2d")
+
+    torchvision = types.ModuleType("torchvision")
+    torchvision.ops = types.ModuleType("torchvision.ops")
+    torchvision.ops.misc = types.ModuleType("torchvision.ops.misc")
+    torchvision.ops.misc.FrozenBatchNorm2d = FrozenBatchNorm2d
+    shims = {
+        "torchvision": torchvision,
+        "torchvision.ops": torchvision.ops,
+        "torchvision.ops.misc": torchvision.ops.misc,
     }
-    (tmp_path / "tiny-hps-test.json").write_text(json.dumps(cfg))
-    open_clip.add_model_config(tmp_path)
-    torch.manual_seed(0)
-    oc = open_clip.create_model("tiny-hps-test", pretrained=None).eval()
-    with torch.no_grad():
-        for p in oc.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    torch.save({"state_dict": oc.state_dict()}, tmp_path / "HPS_v2.1_compressed.pt")
+    package = types.ModuleType(name)
+    package.__path__ = [str(HPS_VENDOR)]
+    towers = {"hf_model": "HFTextEncoder", "modified_resnet": "ModifiedResNet", "timm_model": "TimmModel"}
+    saved = {k: sys.modules.pop(k) for k in shims if k in sys.modules}
+    try:
+        sys.modules.update(shims)
+        sys.modules[name] = package
+        for module, attr in towers.items():
+            sys.modules[f"{name}.{module}"] = types.ModuleType(f"{name}.{module}")
+            setattr(sys.modules[f"{name}.{module}"], attr, None)
+        model = importlib.import_module(f"{name}.model")
+        constants = importlib.import_module(f"{name}.constants")
+        spec = importlib.util.spec_from_file_location(f"{name}.tokenizer", HPS_VENDOR / "tokenizer.py")
+        tokenizer = importlib.util.module_from_spec(spec)
+        tokenizer.__file__ = str(tmp / "tokenizer.py")
+        sys.modules[spec.name] = tokenizer
+        with mock.patch.dict(os.environ):  # tokenizer.py sets TOKENIZERS_PARALLELISM
+            spec.loader.exec_module(tokenizer)
+    finally:
+        for k in shims:
+            sys.modules.pop(k, None)
+        sys.modules.update(saved)
+    return types.SimpleNamespace(model=model, tokenizer=tokenizer, constants=constants)
+
+
+def test_vendored_open_clip_is_hpsv2s_release() -> None:
+    for file, digest in HPS_VENDOR_RECORD.items():
+        sha = hashlib.sha256((HPS_VENDOR / file).read_bytes()).digest()
+        assert base64.urlsafe_b64encode(sha).rstrip(b"=").decode() == digest, file
+
+
+@pytest.fixture(scope="module")
+def hps_open_clip(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
+    return load_hpsv2_open_clip(tmp_path_factory.mktemp("hpsv2_open_clip"))
+
+
+def save_hps_clip_folder(path: Path, st: Any, eos_token_id: int) -> None:
+    """The ``clip_name_or_path`` folder: a transformers CLIP config matching TINY_VIT_H_14 and a transformers tokenizer
+    with open_clip's vocabulary and merges, special tokens named as in laion's ViT-H-14 repo ("!" as padding)."""
+    names = {"<start_of_text>": "<|startoftext|>", "<end_of_text>": "<|endoftext|>"}
+    CLIPTokenizer(
+        vocab={names.get(k, k): v for k, v in st.encoder.items()},
+        merges=sorted(st.bpe_ranks, key=st.bpe_ranks.get),
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        pad_token="!",
+    ).save_pretrained(path)
+    v, t = TINY_VIT_H_14["vision_cfg"], TINY_VIT_H_14["text_cfg"]
     CLIPConfig(
         text_config=dict(
-            vocab_size=49408,
-            hidden_size=32,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            hidden_act="gelu",
-            eos_token_id=49407,
-            bos_token_id=49406,
+            vocab_size=st.vocab_size,
+            hidden_size=t["width"],
+            intermediate_size=4 * t["width"],  # open_clip's default mlp_ratio 4
+            num_hidden_layers=t["layers"],
+            num_attention_heads=t["heads"],
+            max_position_embeddings=t["context_length"],
+            hidden_act="gelu",  # nn.GELU: ViT-H-14 is not a quick_gelu model
+            bos_token_id=st.encoder["<start_of_text>"],
+            eos_token_id=eos_token_id,
             pad_token_id=0,
         ),
         vision_config=dict(
-            hidden_size=32,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=28,
-            patch_size=7,
+            hidden_size=v["width"],
+            intermediate_size=4 * v["width"],
+            num_hidden_layers=v["layers"],
+            num_attention_heads=v["width"] // v["head_width"],
+            image_size=v["image_size"],
+            patch_size=v["patch_size"],
             hidden_act="gelu",
         ),
-        projection_dim=16,
-    ).save_pretrained(tmp_path)
-    st = SimpleTokenizer()
-    CLIPTokenizer(
-        vocab=st.encoder,
-        merges=sorted(st.bpe_ranks, key=st.bpe_ranks.get),
-        pad_token="!",
-        bos_token="<start_of_text>",
-        eos_token="<end_of_text>",
-        unk_token="<end_of_text>",
-    ).save_pretrained(tmp_path)
-    scores = get_reward("hpsv2", model_name_or_path=str(tmp_path), clip_name_or_path=str(tmp_path))(PROMPTS, images)
+        projection_dim=TINY_VIT_H_14["embed_dim"],
+    ).save_pretrained(path)
+
+
+@pytest.fixture(scope="module", params=["eos_id", "legacy_eos_2"])
+def hps_pair(request: pytest.FixtureRequest, hps_open_clip: types.SimpleNamespace, tmp_path_factory) -> tuple:
+    """(hpsv2's open_clip CLIP, the hpsv2 reward loading its checkpoint) with the same random weights.
+
+    Both text-pooling conventions of transformers CLIP configs: eos_token_id = the tokenizer's end-of-text id (pool at
+    its first occurrence), and the legacy eos_token_id = 2 (pool at argmax(token id), open_clip's rule).
+    """
+    st = hps_open_clip.tokenizer._tokenizer
+    cfg = copy.deepcopy(TINY_VIT_H_14)
+    cfg["text_cfg"]["vocab_size"] = st.vocab_size
+    torch.manual_seed(0)
+    # As hpsv2's create_model('ViT-H-14', precision='amp', output_dict=True) builds it: CLIP(**model_cfg, cast_dtype=None)
+    oc = hps_open_clip.model.CLIP(**cfg, output_dict=True)
+    assert type(oc.visual).__name__ == "VisionTransformer"
+    with torch.no_grad():  # open_clip's init leaves biases at 0 and LayerNorms at 1/0: move every weight off it
+        for p in oc.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    oc.eval()
+    folder = tmp_path_factory.mktemp(f"hps_{request.param}")
+    # As HPS_v2.1_compressed.pt is stored (hpsv2.score: model.load_state_dict(checkpoint['state_dict'])).
+    torch.save({"state_dict": oc.state_dict()}, folder / "HPS_v2.1_compressed.pt")
+    save_hps_clip_folder(folder, st, st.encoder["<end_of_text>"] if request.param == "eos_id" else 2)
+    fn = get_reward("hpsv2", model_name_or_path=str(folder), clip_name_or_path=str(folder), batch_size=3)
+    fn.load()
+    return oc, fn
+
+
+def hps_images(n: int, h: int, w: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.nn.functional.interpolate(torch.rand(n, 3, 7, 6, generator=g), size=(h, w), mode="bicubic").clamp(
+        0, 1
+    )
+
+
+# Tolerances: both sides run float32 on CPU on identical weights and inputs; they differ only in op order (q/k/v split
+# vs fused in_proj, SDPA vs MultiheadAttention), i.e. a few float32 ulps per op. Features are O(1) (max |x| ~ 1-3):
+# 1e-5 relative to the largest feature is ~100x float32's epsilon and far below any conversion error (a transposed
+# or misassigned weight changes features by O(1)). Scores are cosines in [-1, 1]: atol 1e-6.
+def assert_features_close(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = (ours - ref).abs().max().item()
+    assert diff <= 1e-5 * ref.abs().max().item(), diff
+    return diff
+
+
+def test_hpsv2_features_match_hpsv2_open_clip(hps_pair: tuple, hps_open_clip: types.SimpleNamespace) -> None:
+    oc, fn = hps_pair
+    images = hps_images(len(HPS_PROMPTS), 224, 224, seed=1)
+    pixels = hps_transform(images, 224)
+    tokens = fn.tokenize(HPS_PROMPTS)
+    ref_tokens = hps_open_clip.tokenizer.tokenize(HPS_PROMPTS)  # [n, 77], padded with 0 (also the id of "!")
+    for ids, mask, ref in zip(tokens["input_ids"], tokens["attention_mask"], ref_tokens):
+        assert ids[mask.bool()].tolist() == ref[: int(ref.argmax()) + 1].tolist()  # up to <end_of_text>, the top id
     with torch.no_grad():
-        img = oc.encode_image(hps_transform(images, 28), normalize=True)
-        txt = oc.encode_text(open_clip.get_tokenizer("tiny-hps-test")(PROMPTS), normalize=True)
-    np.testing.assert_allclose(scores, (img * txt).sum(-1).tolist(), atol=1e-5)
+        img = pooled(fn.model.get_image_features(pixel_values=pixels))
+        txt = pooled(fn.model.get_text_features(**tokens))
+        ref_img, ref_txt = oc.encode_image(pixels), oc.encode_text(ref_tokens)
+    assert_features_close(img, ref_img)
+    assert_features_close(txt, ref_txt)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# ImageReward: only the missing-dependency path can run here (see docs/rewards.md)
+def test_hpsv2_score_matches_hpsv2_open_clip(hps_pair: tuple, hps_open_clip: types.SimpleNamespace) -> None:
+    """hpsv2.score's computation: diag(image_features @ text_features.T) of model(preprocess_val(image), tokenize)."""
+    oc, fn = hps_pair
+    # 224x224: preprocess_val's ResizeMaxSize does nothing, so it is ToTensor() and Normalize(OPENAI_DATASET_MEAN/STD)
+    # (hpsv2's constants); ToTensor's uint8 step is ours to skip: the reward reads the float image itself.
+    images = hps_images(len(HPS_PROMPTS), 224, 224, seed=2)
+    mean = torch.tensor(hps_open_clip.constants.OPENAI_DATASET_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(hps_open_clip.constants.OPENAI_DATASET_STD).view(1, 3, 1, 1)
+    with torch.no_grad():
+        out = oc((images - mean) / std, hps_open_clip.tokenizer.tokenize(HPS_PROMPTS))
+        expected = torch.diagonal(out["image_features"] @ out["text_features"].T)
+    np.testing.assert_allclose(fn(HPS_PROMPTS, images), expected.tolist(), rtol=0, atol=1e-6)
+
+
+def test_open_clip_clean_is_open_clips(hps_open_clip: types.SimpleNamespace) -> None:
+    from ftfy import fix_text
+
+    tok = hps_open_clip.tokenizer
+    for text in [*HPS_PROMPTS, "  Â© mojibake\u2028line\x1cgroup  ", "&lt;b&gt; ‘single’ \u00a0nbsp"]:
+        assert open_clip_clean(text, fix_text) == tok.whitespace_clean(tok.basic_clean(text)), text
+    assert open_clip_clean(" a  “b” &amp; c ", None) == "a “b” & c"  # without ftfy: html and whitespace only
+
+
+def test_hpsv2_without_ftfy_warns(tiny_hps: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    clip_dir, ckpt = tiny_hps
+    monkeypatch.setitem(sys.modules, "ftfy", None)
+    fn = get_reward("hpsv2", model_name_or_path=str(ckpt), clip_name_or_path=str(clip_dir))
+    with caplog.at_level(logging.WARNING, logger="marble_trl.rewards.clip_family"):
+        fn.load()
+    assert "ftfy is not installed" in caplog.text and fn._fix_text is None
+
+
+def test_hpsv2_rejects_eos_id_that_is_not_the_tokenizers(tiny_hps: tuple[Path, Path], tmp_path: Path) -> None:
+    clip_dir, ckpt = tiny_hps
+    shutil.copytree(clip_dir, tmp_path / "clip")
+    config = json.loads((tmp_path / "clip" / "config.json").read_text())
+    config["text_config"]["eos_token_id"] = 5  # neither 2 (argmax pooling) nor the tokenizer's <|endoftext|> (1)
+    (tmp_path / "clip" / "config.json").write_text(json.dumps(config))
+    fn = get_reward("hpsv2", model_name_or_path=str(ckpt), clip_name_or_path=str(tmp_path / "clip"))
+    with pytest.raises(RuntimeError, match="eos_token_id=5.*end-of-text token is 1"):
+        fn.load()
+
+
+# ImageReward: tests/test_rewards_imagereward.py
 
 
 # ---------------------------------------------------------------------------------------------------------------------

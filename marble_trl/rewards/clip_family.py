@@ -16,9 +16,10 @@ converted on load, so ``open_clip`` is not needed). ImageReward (``imagereward.p
 
 from __future__ import annotations
 
+import html
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -137,13 +138,18 @@ class ImageTransform:
 
 
 def hps_transform(images: torch.Tensor, size: int) -> torch.Tensor:
-    """HPSv2's evaluation resize: longest side to ``size`` (bicubic), zero-pad to a square; then CLIP normalisation."""
+    """HPSv2's evaluation resize: longest side to ``size`` (bicubic), zero-pad to a square; then CLIP normalisation.
+
+    HPSv2's ``preprocess_val`` is ``ToTensor()`` then ``ResizeMaxSize`` then ``Normalize``: the resize runs on the
+    float tensor (torchvision's tensor ``resize``: antialiased bicubic, no clamping of the overshoot), not on a PIL
+    image, so unlike :class:`ImageTransform` nothing is clamped to ``[0, 1]`` here.
+    """
     x = images.float()
     h, w = x.shape[-2:]
     scale = size / float(max(h, w))
     if scale != 1.0:
         nh, nw = round(h * scale), round(w * scale)
-        x = _resize(x, (nh, nw), "bicubic")
+        x = F.interpolate(x, size=(nh, nw), mode="bicubic", align_corners=False, antialias=True)
         ph, pw = size - nh, size - nw
         x = F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2))
     mean = torch.tensor(OPENAI_CLIP_MEAN, device=x.device).view(1, -1, 1, 1)
@@ -404,6 +410,31 @@ def open_clip_to_transformers(state_dict: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
+def ftfy_fix_text() -> Callable[[str], str] | None:
+    """``ftfy.fix_text`` when ftfy is installed, else ``None``."""
+    try:
+        from ftfy import fix_text
+    except ImportError:
+        return None
+    return fix_text
+
+
+def open_clip_clean(text: str, fix_text: Callable[[str], str] | None) -> str:
+    """open_clip's (so HPSv2's) prompt cleaning before BPE: its ``basic_clean`` then ``whitespace_clean``.
+
+    ``fix_text`` (``ftfy.fix_text``: curly quotes, ligatures, full-width letters, mojibake...; ``None`` skips it),
+    HTML entities unescaped twice, whitespace runs collapsed to one space, stripped. transformers' CLIP tokenizer does
+    none of this (it NFC-normalises, collapses whitespace and lower-cases), so without it a prompt such as
+    ``a sign “OPEN” &amp; lit`` would tokenise differently from HPSv2's.
+    """
+    import regex  # a transformers dependency; open_clip's \s is the regex module's (re's differs on U+001C-U+001F)
+
+    if fix_text is not None:
+        text = fix_text(text)
+    text = html.unescape(html.unescape(text)).strip()
+    return regex.sub(r"\s+", " ", text).strip()
+
+
 @register_reward("hpsv2", factory=True)
 class HPSv2Score(ModelReward):
     """HPSv2.1: cosine of image and prompt embeddings of the HPS-finetuned open_clip ViT-H-14 (typically 0.2-0.35).
@@ -413,7 +444,9 @@ class HPSv2Score(ModelReward):
     ``clip_name_or_path`` (a transformers CLIP repo/folder whose config and tokenizer match the checkpoint's
     architecture; only its config and tokenizer files are read; default ``laion/CLIP-ViT-H-14-laion2B-s32B-b79K``),
     plus device/dtype/batch. The checkpoint's ``state_dict`` is converted to ``CLIPModel`` keys on load.
-    Preprocessing is HPSv2's: longest side to 224 (bicubic), zero padding to square, CLIP normalisation.
+    Preprocessing is HPSv2's ``preprocess_val`` on the float tensor (:func:`hps_transform`): longest side to 224
+    (antialiased bicubic, unclamped), zero padding to square, CLIP normalisation; prompts are cleaned as open_clip's
+    tokenizer does (:func:`open_clip_clean`; ftfy's step only where ftfy is installed) before transformers' tokenizer.
     """
 
     reward_name = "hpsv2"
@@ -467,21 +500,41 @@ class HPSv2Score(ModelReward):
             )
         self.model = self._freeze(model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.clip_name_or_path)
+        # open_clip pools the text tower at argmax(token id) (the end-of-text token is the highest id); transformers'
+        # CLIP does the same when eos_token_id == 2 (configs predating transformers PR 24773) and otherwise pools at the
+        # first token equal to eos_token_id, which must then be the tokenizer's: else it silently pools position 0.
+        eos = config.text_config.eos_token_id
+        if eos != 2 and eos != self.tokenizer.eos_token_id:
+            raise RuntimeError(
+                f"Reward 'hpsv2': {self.clip_name_or_path!r} has text_config.eos_token_id={eos} but its tokenizer's "
+                f"end-of-text token is {self.tokenizer.eos_token_id}: the text features would be pooled at the wrong "
+                "position. Fix eos_token_id in config.json (or use a config whose eos_token_id is 2)."
+            )
+        self._fix_text = ftfy_fix_text()
+        if self._fix_text is None:
+            logger.warning(
+                "Reward 'hpsv2': ftfy is not installed, so prompts are not ftfy-fixed as HPSv2's tokenizer does "
+                "(curly quotes, ligatures, full-width characters...); `pip install ftfy` to follow it exactly."
+            )
         self.image_size = int(config.vision_config.image_size)
         self.max_length = int(config.text_config.max_position_embeddings)
 
-    def _score(self, prompts: list[str], pixels: torch.Tensor) -> torch.Tensor:
-        pixel_values = hps_transform(pixels, self.image_size).to(self.dtype)
-        image = _pooled(self.model.get_image_features(pixel_values=pixel_values)).float()
+    def tokenize(self, prompts: list[str]) -> Any:
+        """The prompts as HPSv2's tokenizer reads them (``input_ids``/``attention_mask`` on the reward's device)."""
+        self.load()
         # split_special_tokens: laion's HF tokenizers declare "!" as their pad token, which would otherwise turn every "!"
         # in a prompt into a special token; open_clip's tokenizer (HPSv2's reference) reads it as text.
-        tokens = self.tokenizer(
-            prompts,
+        return self.tokenizer(
+            [open_clip_clean(p, self._fix_text) for p in prompts],
             padding=True,
             truncation=True,
             max_length=self.max_length,
             return_tensors="pt",
             split_special_tokens=True,
-        )
-        text = _pooled(self.model.get_text_features(**tokens.to(self.device))).float()
+        ).to(self.device)
+
+    def _score(self, prompts: list[str], pixels: torch.Tensor) -> torch.Tensor:
+        pixel_values = hps_transform(pixels, self.image_size).to(self.dtype)
+        image = _pooled(self.model.get_image_features(pixel_values=pixel_values)).float()
+        text = _pooled(self.model.get_text_features(**self.tokenize(prompts))).float()
         return (F.normalize(image, dim=-1) * F.normalize(text, dim=-1)).sum(-1)
