@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,21 +29,50 @@ class RewardServer:
     def __init__(self) -> None:
         self.handler: Handler = self.brightness
         self.requests: list[dict[str, Any]] = []
+        self.arrivals: list[float] = []  # time.monotonic() at which each request was read
+        # Trickle mode: send the answer one byte every `trickle` seconds (only the body, or with `trickle_headers`
+        # the status line and headers too), for at most `trickle_for` seconds, then hang up.
+        self.trickle: float | None = None
+        self.trickle_headers = False
+        self.trickle_for = 4.0
+        self.stopped = threading.Event()  # set by close(): trickling and slow handlers stop at once
+        self.client_gone = threading.Event()  # set when a write finds that the client hung up
         outer = self
 
         class _Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.arrivals.append(time.monotonic())
                 outer.requests.append(body)
                 status, payload = outer.handler(body)
                 try:
+                    if outer.trickle is not None:
+                        self.send_trickle(status, payload, outer.trickle)
+                        return
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
                     self.wfile.write(payload)
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
-                    pass
+                    outer.client_gone.set()
+
+            def send_trickle(self, status: int, payload: bytes, interval: float) -> None:
+                head = (
+                    f"HTTP/1.1 {status} OK\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+                ).encode()
+                if not outer.trickle_headers:
+                    self.wfile.write(head)
+                    self.wfile.flush()
+                    head = b""
+                end = time.monotonic() + outer.trickle_for
+                for i in range(len(head + payload)):
+                    if outer.stopped.wait(interval) or time.monotonic() > end:
+                        break  # bounded: hang up mid-answer
+                    self.wfile.write((head + payload)[i : i + 1])
+                    self.wfile.flush()
+                self.close_connection = True
 
             def log_message(self, *args: object) -> None:  # keep pytest output clean
                 pass
@@ -65,6 +95,7 @@ class RewardServer:
         return 200, json.dumps({"scores": scores}).encode()
 
     def close(self) -> None:
+        self.stopped.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -125,6 +156,135 @@ def test_timeout_is_reported_with_url_and_name(server: RewardServer) -> None:
     assert len(server.requests) == 2
 
 
+def padded(scores: list[float], size: int) -> bytes:
+    """A valid answer padded with spaces to ``size`` bytes (JSON allows trailing whitespace)."""
+    return json.dumps({"scores": scores}).encode().ljust(size)
+
+
+@pytest.mark.parametrize("trickle_headers", [False, True], ids=["body", "status-and-headers"])
+def test_trickling_server_hits_the_request_deadline(server: RewardServer, trickle_headers: bool) -> None:
+    # 1 byte every 0.25 s: every read gets data well within `timeout`, so a per-read timeout never fires and the
+    # whole answer (200 bytes + headers) would take 50 s or more. The deadline covers the whole request.
+    server.handler = lambda body: (200, padded([1.0], 200))
+    server.trickle, server.trickle_headers = 0.25, trickle_headers
+    fn = HTTPReward(server.url, name="trickle", timeout=1, retries=0)
+    start = time.monotonic()
+    with pytest.raises(HTTPRewardError) as info:
+        fn(["a"], grey([0.5]))
+    elapsed = time.monotonic() - start
+    assert 0.9 < elapsed < 3.0, elapsed
+    message = str(info.value)
+    assert message.startswith(f"Reward 'trickle' at {server.url}: no answer within 1 s (after 1 attempt")
+    assert "per-request deadline `timeout` = 1 s" in message and "raise `timeout`" in message
+    assert server.client_gone.wait(2.0)  # the connection was cut at the deadline, not left trickling
+
+
+def test_slow_first_attempt_succeeds_on_retry_after_backoff(server: RewardServer) -> None:
+    def slow_once(body: dict[str, Any]) -> tuple[int, bytes]:
+        if len(server.requests) == 1:
+            server.stopped.wait(3.0)  # far past the deadline
+        return 200, b'{"scores": [0.25]}'
+
+    server.handler = slow_once
+    fn = HTTPReward(server.url, timeout=0.5, retries=2, backoff=0.3)
+    start = time.monotonic()
+    assert fn(["a"], grey([0.5])) == [0.25]
+    elapsed = time.monotonic() - start
+    assert len(server.requests) == 2
+    gap = server.arrivals[1] - server.arrivals[0]
+    assert 0.5 + 0.3 - 0.05 < gap < 0.5 + 0.3 + 1.0, gap  # the deadline, then the backoff
+    assert elapsed < 2.5, elapsed
+
+
+def test_backoff_doubles_between_retries(server: RewardServer) -> None:
+    answers = iter([(503, b"warming up")] * 3 + [(200, b'{"scores": [0.5]}')])
+    server.handler = lambda body: next(answers)
+    assert HTTPReward(server.url, retries=3, backoff=0.1)(["a"], grey([0.5])) == [0.5]
+    gaps = [b - a for a, b in zip(server.arrivals, server.arrivals[1:])]
+    assert len(gaps) == 3
+    for gap, pause in zip(gaps, [0.1, 0.2, 0.4]):
+        assert pause - 0.05 < gap < pause + 0.5, gaps
+
+
+def test_total_budget_stops_retries_early(server: RewardServer) -> None:
+    def slow(body: dict[str, Any]) -> tuple[int, bytes]:
+        server.stopped.wait(5.0)
+        return 200, b'{"scores": [1.0]}'
+
+    server.handler = slow
+    # Attempts at 0-0.5 s and 0.55-1.05 s time out; the third (from 1.15 s) is cut by the budget at 1.4 s, and the
+    # eight retries left are not made.
+    fn = HTTPReward(server.url, name="slowpoke", timeout=0.5, retries=10, backoff=0.05, total_timeout=1.4)
+    start = time.monotonic()
+    with pytest.raises(HTTPRewardError) as info:
+        fn(["a"], grey([0.5]))
+    elapsed = time.monotonic() - start
+    assert 1.3 < elapsed < 2.5, elapsed
+    message = str(info.value)
+    assert message.startswith(f"Reward 'slowpoke' at {server.url}: the total budget `total_timeout` = 1.4 s ")
+    assert re.search(
+        r"ran out during attempt 3 of 11 \(no answer in the 0\.\d+ s left; attempt 2: no answer within 0.5 s\)",
+        message,
+    )
+    assert "not retrying" in message
+    assert "Raise `total_timeout`" in message
+    assert len(server.requests) == 3
+
+
+def test_total_budget_skips_a_retry_that_cannot_start_in_time(server: RewardServer) -> None:
+    server.handler = lambda body: (503, b"warming up")
+    fn = HTTPReward(server.url, retries=5, backoff=1.0, total_timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(HTTPRewardError) as info:
+        fn(["a"], grey([0.5]))
+    assert time.monotonic() - start < 0.5  # no pointless 1 s wait
+    message = str(info.value)
+    assert "the total budget `total_timeout` = 0.5 s" in message and "after attempt 1 of 6" in message
+    assert "the next retry (in 1 s)" in message and "HTTP 503 Service Unavailable: warming up" in message
+    assert len(server.requests) == 1
+
+
+def test_total_budget_covers_the_whole_call(server: RewardServer) -> None:
+    def slowish(body: dict[str, Any]) -> tuple[int, bytes]:
+        server.stopped.wait(0.4)
+        return server.brightness(body)
+
+    server.handler = slowish
+    fn = HTTPReward(server.url, batch_size=1, timeout=1, retries=0, total_timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(
+        HTTPRewardError, match=r"`total_timeout` = 1 s .*during attempt 1 of 1, request 3 of 3 \(no answer"
+    ):
+        fn(["a", "b", "c"], grey([0.1, 0.2, 0.3]))
+    assert time.monotonic() - start < 2.0
+    assert len(server.requests) == 3
+
+
+def test_default_budget_is_three_full_attempts_per_request(server: RewardServer) -> None:
+    def slow(body: dict[str, Any]) -> tuple[int, bytes]:
+        server.stopped.wait(5.0)
+        return 200, b'{"scores": [1.0]}'
+
+    server.handler = slow
+    # Budget 3 x (0.3 + 0.05) = 1.05 s: attempts at 0-0.3, 0.35-0.65 and 0.75-1.05 s each run their full `timeout`,
+    # and the fourth (after a 0.2 s wait) could not start in time.
+    fn = HTTPReward(server.url, timeout=0.3, retries=5, backoff=0.05)
+    assert fn.total_timeout is None
+    start = time.monotonic()
+    with pytest.raises(HTTPRewardError) as info:
+        fn(["a"], grey([0.5]))
+    elapsed = time.monotonic() - start
+    assert 0.85 < elapsed < 1.6, elapsed
+    message = str(info.value)
+    assert "`total_timeout` = 1.05 s (the default, 3 x (`timeout` + `backoff`) per request)" in message
+    assert (
+        "the next retry (in 0.2 s)" in message
+        and "after attempt 3 of 6 failed with: no answer within 0.3 s" in message
+    )
+    assert "Raise `total_timeout` (and `timeout`, if one request needs longer)" in message
+    assert len(server.requests) == 3
+
+
 def test_500_then_success_within_retries(server: RewardServer) -> None:
     answers = iter([(500, b"model not ready"), (503, b""), (200, b'{"scores": [0.75]}')])
     server.handler = lambda body: next(answers)
@@ -180,6 +340,8 @@ def test_options_are_validated() -> None:
         HTTPReward("http://127.0.0.1:1", image_format="webp")
     with pytest.raises(ValueError, match="timeout"):
         HTTPReward("http://127.0.0.1:1", timeout=0)
+    with pytest.raises(ValueError, match="total_timeout"):
+        HTTPReward("http://127.0.0.1:1", total_timeout=0)
     with pytest.raises(HTTPRewardError, match="column 'obj' is not JSON-serialisable"):
         HTTPReward("http://127.0.0.1:1")(["a"], grey([0.5]), obj=[object()])
 

@@ -6,8 +6,11 @@ Protocol (JSON over ``POST url``; see docs/rewards.md):
   entry per sample; images are base64-encoded PNG (lossless, the default) or JPEG files, without a ``data:`` prefix;
 - response: ``{"scores": [float | null, ...]}``, one per sample, ``null`` meaning "not applicable".
 
-Connection errors, timeouts, HTTP 5xx and 429 are retried with exponential backoff; other HTTP errors, malformed JSON
-and a wrong number of scores fail at once with an error naming the reward and the URL. Only the standard library.
+Time limits: ``timeout`` is a wall-clock deadline for one whole request (connect, send, the full response), which a
+server trickling bytes cannot stretch; ``total_timeout`` bounds one call (a training step's scoring) across all its
+requests, retries and backoff waits. Connection errors, missed deadlines, HTTP 5xx and 429 are retried with exponential
+backoff while the budget lasts; other HTTP errors, malformed JSON and a wrong number of scores fail at once. Every error
+names the reward, the URL, the attempts made and, for a time limit, which one was hit. Only the standard library.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import http.client
 import io
 import json
 import math
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -51,6 +56,100 @@ class _Transient(Exception):
     """A failure worth retrying (network, timeout, 5xx, 429)."""
 
 
+class _DeadlineHit(_Transient):
+    """An attempt did not finish by its deadline (``timeout``, or the end of the call's budget if that came first)."""
+
+
+class _Sockets:
+    """The sockets one attempt opened, kept as duplicates so that the caller can cut them off at the deadline.
+
+    ``shutdown`` acts on the socket, not on one descriptor, so shutting a duplicate down wakes a read or write blocked
+    on the original, even after TLS has wrapped it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._cancelled = False
+
+    def add(self, sock: socket.socket) -> None:
+        try:
+            dup = sock.dup()
+        except OSError:
+            return
+        with self._lock:
+            if not self._cancelled:
+                self._socks.append(dup)
+                return
+        self._cut(dup)  # the deadline passed while this connection was being opened
+
+    def cancel(self) -> None:
+        """Cut every connection of the attempt (at the deadline)."""
+        with self._lock:
+            self._cancelled = True
+        self.close(cut=True)
+
+    def close(self, cut: bool = False) -> None:
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for sock in socks:
+            self._cut(sock) if cut else sock.close()
+
+    @staticmethod
+    def _cut(sock: socket.socket) -> None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sock.close()
+
+
+def _tracked(http_class: Any, sockets: _Sockets) -> Any:
+    """Wrap an ``http.client`` connection class so that every socket it opens is registered in ``sockets``."""
+
+    def connection(*args: Any, **kwargs: Any) -> Any:
+        conn = http_class(*args, **kwargs)
+        create = getattr(conn, "_create_connection", None)  # what HTTP(S)Connection.connect opens its socket with
+        if create is not None:
+
+            def create_and_track(*a: Any, **kw: Any) -> socket.socket:
+                sock = create(*a, **kw)
+                sockets.add(sock)
+                return sock
+
+            conn._create_connection = create_and_track
+        return conn
+
+    return connection
+
+
+class _TrackedHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, sockets: _Sockets) -> None:
+        super().__init__()
+        self._sockets = sockets
+
+    def do_open(self, http_class: Any, req: Any, **kwargs: Any) -> Any:
+        return super().do_open(_tracked(http_class, self._sockets), req, **kwargs)
+
+
+_HANDLERS: tuple[type, ...] = (_TrackedHTTPHandler,)
+if hasattr(urllib.request, "HTTPSHandler"):  # Python built with ssl
+
+    class _TrackedHTTPSHandler(urllib.request.HTTPSHandler):
+        def __init__(self, sockets: _Sockets) -> None:
+            super().__init__()
+            self._sockets = sockets
+
+        def do_open(self, http_class: Any, req: Any, **kwargs: Any) -> Any:
+            return super().do_open(_tracked(http_class, self._sockets), req, **kwargs)
+
+    _HANDLERS += (_TrackedHTTPSHandler,)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 @register_reward("http_reward", factory=True)
 class HTTPReward:
     """Score images on a remote server speaking the JSON protocol above.
@@ -58,7 +157,12 @@ class HTTPReward:
     Options:
         url: the endpoint (``http://host:port/path``), required.
         name: the name the reward is logged under (default ``"http_reward"``); give each server its own.
-        timeout: seconds to wait for one request (default 120).
+        timeout: wall-clock seconds for one whole request: connect, send and the full response (default 120). A
+            server that trickles its answer cannot stretch it.
+        total_timeout: wall-clock seconds for one call (one training step's scoring on this process), across all its
+            requests, retries and backoff waits (default: ``3 * (timeout + backoff)`` for each request the call
+            makes, one unless ``batch_size`` splits the batch: three full-length attempts and the waits between
+            them). An attempt running at its end is cut off; a retry that could not start before it is not made.
         retries: extra attempts after a transient failure (default 3).
         backoff: seconds before the first retry, doubled after each (default 1.0).
         image_format: ``"png"`` (default, lossless) or ``"jpeg"`` (smaller; quality ``jpeg_quality``, default 95).
@@ -72,6 +176,7 @@ class HTTPReward:
         url: str,
         name: str = "http_reward",
         timeout: float = 120.0,
+        total_timeout: float | None = None,
         retries: int = 3,
         backoff: float = 1.0,
         image_format: str = "png",
@@ -86,9 +191,12 @@ class HTTPReward:
             raise ValueError(f"Reward {name!r}: image_format must be 'png' or 'jpeg', got {image_format!r}.")
         if timeout <= 0 or retries < 0 or backoff < 0 or (batch_size is not None and batch_size < 1):
             raise ValueError(f"Reward {name!r}: need timeout > 0, retries >= 0, backoff >= 0, batch_size >= 1.")
+        if total_timeout is not None and not total_timeout > 0:
+            raise ValueError(f"Reward {name!r}: total_timeout must be > 0 seconds (or None), got {total_timeout!r}.")
         self.__name__ = name
         self.url = str(url)
         self.timeout = float(timeout)
+        self.total_timeout = None if total_timeout is None else float(total_timeout)
         self.retries = int(retries)
         self.backoff = float(backoff)
         self.image_format = image_format.lower()
@@ -123,10 +231,16 @@ class HTTPReward:
         }
         return json.dumps(body).encode("utf-8")
 
-    def _post_once(self, data: bytes) -> bytes:
+    def _request(self, data: bytes, deadline: float, sockets: _Sockets) -> bytes:
+        """One attempt, run in a worker thread; the caller stops waiting and cuts ``sockets`` at ``deadline``."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _DeadlineHit()
+        # The ordinary urllib chain (proxies from the environment, redirects, https), with sockets tracked.
+        opener = urllib.request.build_opener(*(handler(sockets) for handler in _HANDLERS))
         request = urllib.request.Request(self.url, data=data, headers=self.headers, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with opener.open(request, timeout=remaining) as response:
                 return response.read()
         except urllib.error.HTTPError as err:
             detail = err.read(300).decode("utf-8", "replace").strip()
@@ -135,23 +249,96 @@ class HTTPReward:
                 raise _Transient(message) from err
             raise self._fail(message) from err
         except TimeoutError as err:
-            raise _Transient(f"no answer within {self.timeout:g} s") from err
+            raise _DeadlineHit() from err
         except urllib.error.URLError as err:
             if isinstance(err.reason, TimeoutError):  # socket.timeout is an alias of TimeoutError
-                raise _Transient(f"no answer within {self.timeout:g} s") from err
+                raise _DeadlineHit() from err
             raise _Transient(f"cannot connect ({err.reason})") from err
         except (OSError, http.client.HTTPException) as err:  # reset / refused / truncated mid-request
+            if time.monotonic() >= deadline:  # cut off at the deadline
+                raise _DeadlineHit() from err
             raise _Transient(f"connection failed ({type(err).__name__}: {err})") from err
 
-    def _post(self, data: bytes) -> bytes:
-        attempts = self.retries + 1
-        for attempt in range(attempts):
+    def _post_once(self, data: bytes, deadline: float) -> bytes:
+        """One attempt that returns or raises by ``deadline`` (``time.monotonic()``), whatever the server does.
+
+        A socket timeout only bounds each read, so a server sending a byte now and then could hold a request open
+        for ever. The request runs in a worker thread instead; at the deadline this thread stops waiting, shuts the
+        connection down (which ends the worker's read) and raises :class:`_DeadlineHit`. That covers every phase:
+        name lookup, connect, TLS handshake, sending, the status line, the headers and the body. (A name lookup
+        still running is left to finish in the daemon worker, whose socket is then cut as soon as it opens.)
+        """
+        sockets = _Sockets()
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def work() -> None:
             try:
-                return self._post_once(data)
+                outcome["body"] = self._request(data, deadline, sockets)
+            except BaseException as err:  # handed to the caller
+                outcome["error"] = err
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name=f"reward-{self.__name__}-http", daemon=True).start()
+        try:
+            done.wait(max(deadline - time.monotonic(), 0.0))
+        finally:
+            if not done.is_set():  # the deadline (or Ctrl-C): cut the connection so that the worker ends too
+                sockets.cancel()
+            else:
+                sockets.close()
+        if not done.is_set():
+            raise _DeadlineHit()
+        if "error" in outcome:
+            raise outcome.pop("error")
+        return outcome["body"]
+
+    def _post(self, data: bytes, budget_end: float, budget: str, request: str) -> bytes:
+        """Attempts with exponential backoff, each within ``timeout`` and all before ``budget_end``."""
+        attempts = self.retries + 1
+        check = f"check that the server at {self.url} is up and healthy"
+        last = ""  # why the previous attempt failed
+        raise_options = "`total_timeout`"
+        for attempt in range(1, attempts + 1):
+            start = time.monotonic()
+            left = budget_end - start
+            if left <= 0:  # spent by the earlier requests of this call
+                raise self._fail(
+                    f"the total budget {budget} ran out before attempt {attempt} of {attempts}{request} could "
+                    f"start{last}; not retrying. Raise {raise_options}, or {check}."
+                )
+            # Cut by the budget only when it leaves clearly less than `timeout` (not when both end together).
+            cut_by_budget = left < 0.99 * self.timeout
+            try:
+                return self._post_once(data, start + min(self.timeout, left))
             except _Transient as err:
-                if attempt + 1 == attempts:
-                    raise self._fail(f"{err} (after {attempts} attempt{'s' if attempts > 1 else ''}).") from err
-                time.sleep(self.backoff * 2**attempt)
+                if isinstance(err, _DeadlineHit):
+                    if cut_by_budget:
+                        raise self._fail(
+                            f"the total budget {budget} ran out during attempt {attempt} of {attempts}{request} (no "
+                            f"answer in the {left:.3g} s left{last}); not retrying. Raise {raise_options}, or {check}."
+                        ) from err
+                    reason = f"no answer within {self.timeout:g} s"
+                    fix = (
+                        f"Hit the per-request deadline `timeout` = {self.timeout:g} s (connect, send and the whole "
+                        f"response); raise `timeout` if the server is just slow, or {check}."
+                    )
+                    raise_options = "`total_timeout` (and `timeout`, if one request needs longer)"
+                else:
+                    reason = str(err)
+                    fix = f"Raise `retries` or `backoff` if the server needs time to start, or {check}."
+                if attempt == attempts:
+                    raise self._fail(f"{reason} (after {_plural(attempts, 'attempt')}{request}). {fix}") from err
+                last = f"; attempt {attempt}: {reason}"
+                pause = self.backoff * 2 ** (attempt - 1)
+                if time.monotonic() + pause >= budget_end:
+                    raise self._fail(
+                        f"the total budget {budget} ends before the next retry (in {pause:g} s) could start, "
+                        f"after attempt {attempt} of {attempts}{request} failed with: {reason}; not retrying. "
+                        f"Raise {raise_options}, or {check}."
+                    ) from err
+                time.sleep(pause)
         raise AssertionError("unreachable")
 
     def _parse(self, raw: bytes, n: int) -> list[float | None]:
@@ -177,12 +364,20 @@ class HTTPReward:
     def __call__(self, prompts: list[str], images: torch.Tensor, **columns: Any) -> list[float | None]:
         n = len(prompts)
         step = self.batch_size or max(n, 1)
+        n_requests = math.ceil(n / step)
+        if self.total_timeout is not None:
+            total, budget = self.total_timeout, f"`total_timeout` = {self.total_timeout:g} s"
+        else:
+            total = 3 * (self.timeout + self.backoff) * n_requests
+            budget = f"`total_timeout` = {total:g} s (the default, 3 x (`timeout` + `backoff`) per request)"
+        budget_end = time.monotonic() + total
         scores: list[float | None] = []
-        for start in range(0, n, step):
+        for i, start in enumerate(range(0, n, step)):
             stop = min(start + step, n)
             chunk_columns = {k: list(v)[start:stop] for k, v in columns.items()}
             data = self._payload(list(prompts[start:stop]), images[start:stop], chunk_columns)
-            scores.extend(self._parse(self._post(data), stop - start))
+            request = f", request {i + 1} of {n_requests}" if n_requests > 1 else ""
+            scores.extend(self._parse(self._post(data, budget_end, budget, request), stop - start))
         return scores
 
 
