@@ -42,19 +42,102 @@ def load_prompt_dataset(path: str | None = None):
     return Dataset.from_dict({"prompt": prompts})
 
 
-def check_prompt_dataset(dataset, name: str = "train_dataset") -> None:
-    """Clear errors for datasets the trainer cannot use."""
+def check_prompt_dataset(
+    dataset, name: str = "train_dataset", *, column: str = "prompt", origin: str | None = None
+) -> None:
+    """Clear errors for datasets the trainer cannot use, raised when the dataset is loaded or given to the trainer
+    rather than mid-run.
+
+    Checks that ``dataset`` is a non-empty ``datasets.Dataset`` with a ``prompt`` column whose every row is a
+    non-empty string (not ``None``, not a number, not only whitespace). A bad row raises ``ValueError`` naming its
+    (0-based) row index, the column (``column``: the name it has in the source, e.g. before ``prompt_column`` renamed
+    it), ``origin`` (the file or Hub id) when known, and the row's ``source`` when the dataset has that column.
+    """
+    where = f"{name} ({origin})" if origin else name
     if dataset is None:
         raise ValueError(f"{name} is required: a datasets.Dataset with a 'prompt' column.")
     if not hasattr(dataset, "column_names") or not hasattr(dataset, "__len__"):
         raise TypeError(f"{name} must be a datasets.Dataset (with a 'prompt' column), got {type(dataset).__name__}.")
     if len(dataset) == 0:
-        raise ValueError(f"{name} is empty: it needs at least one prompt.")
+        raise ValueError(f"{where} is empty: it needs at least one prompt.")
     if "prompt" not in dataset.column_names:
         raise ValueError(
-            f"{name} has no 'prompt' column (columns: {dataset.column_names}); rename your text column with "
+            f"{where} has no 'prompt' column (columns: {dataset.column_names}); rename your text column with "
             "dataset.rename_column(<name>, 'prompt')."
         )
+    count, bad = _bad_prompts(dataset)
+    if not count:
+        return
+    col = "'prompt'" if column == "prompt" else f"{column!r} (prompt_column, renamed 'prompt')"
+    rows = []
+    for row, value in bad:
+        kind = "" if value is None or isinstance(value, str) else f" ({type(value).__name__})"
+        text = f"row {row} holds {value!r}{kind}"
+        if "source" in dataset.column_names:
+            text += f" (source {dataset[row]['source']!r})"
+        rows.append(text)
+    more = f"; and {count - len(bad)} more" if count > len(bad) else ""
+    raise ValueError(
+        f"{where}: every prompt must be a non-empty string, but {count} row(s) of column {col} are not: "
+        f"{'; '.join(rows)}{more} (rows counted from 0). Fix or drop those rows before training."
+    )
+
+
+def _is_prompt(value) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _bad_prompts(dataset, limit: int = 3) -> tuple[int, list[tuple[int, object]]]:
+    """Number of rows whose prompt is not a non-empty string, and the first ``limit`` of them as (row, value)."""
+    fast = _bad_prompts_arrow(dataset, limit)
+    if fast is not None:
+        return fast
+    count, bad = 0, []
+    if hasattr(dataset, "iter"):  # datasets.Dataset: batches (one row at a time through a Column is slow)
+        batches = (b["prompt"] for b in dataset.iter(batch_size=4096))
+    else:
+        batches = iter([list(dataset["prompt"])])
+    row = 0
+    for batch in batches:
+        for value in batch:
+            if not _is_prompt(value):
+                count += 1
+                if len(bad) < limit:
+                    bad.append((row, value))
+            row += 1
+    return count, bad
+
+
+def _bad_prompts_arrow(dataset, limit: int) -> tuple[int, list[tuple[int, object]]] | None:
+    """The same with pyarrow compute, for a ``datasets.Dataset`` whose prompt column is stored as strings (the usual
+    case: a million rows in about a second); ``None`` when that does not apply."""
+    try:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        from datasets import Dataset, Value
+    except ImportError:  # pragma: no cover - datasets depends on pyarrow
+        return None
+    if not isinstance(dataset, Dataset):
+        return None
+    feature = dataset.features.get("prompt")
+    if not (isinstance(feature, Value) and feature.dtype in ("string", "large_string")):
+        return None
+
+    def bad_mask(column):
+        empty = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(column)), 0)
+        return pc.fill_null(empty, True)  # a null prompt is bad too
+
+    # The stored table first (no gather): when it is clean, so is any selection or shuffle of it.
+    table = dataset.data.column("prompt")
+    bad = bad_mask(table)
+    if not (pc.sum(bad).as_py() or 0):
+        return 0, []
+    if getattr(dataset, "_indices", None) is not None:  # rows selected / shuffled: check them in the dataset's order
+        column = dataset.with_format("arrow")["prompt"]
+        bad = bad_mask(column.column(0) if isinstance(column, pa.Table) else column)
+    count = pc.sum(bad).as_py() or 0
+    rows = pc.indices_nonzero(bad)[:limit].to_pylist()
+    return count, [(row, dataset[row]["prompt"]) for row in rows]
 
 
 class GroupSampler(Sampler[int]):

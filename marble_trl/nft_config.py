@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -13,6 +14,8 @@ from .advantages import SCALE_REWARDS
 from .nft import DECAY_TYPES
 
 AGGREGATIONS = ("auto", "marble", "sum_then_normalize", "normalize_then_sum")
+WEIGHTED_SUM_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # reward_weights enter the advantages
+logger = logging.getLogger(__name__)
 SAMPLER_ALIASES = ("euler", "heun", "dpm2", "dpm2_diffusers")
 DEFAULT_LORA_TARGETS = [
     "attn.to_q",
@@ -294,6 +297,17 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             f"num_generations must be >= 2 (a group needs a baseline), got {self.num_generations}.",
         )
         need(self.lora_r >= 1, f"lora_r must be >= 1, got {self.lora_r}.")
+        need(
+            self.lora_alpha != 0,
+            "lora_alpha must not be 0: peft scales the adapter's output by lora_alpha / lora_r, so an adapter scaled "
+            "by 0 never changes the model (every gradient is 0, grad_norm 0.0, nothing trains). The reference uses "
+            "lora_alpha = 2 * lora_r (64 for lora_r 32).",
+        )
+        need(
+            self.max_steps != 0,
+            "max_steps must not be 0: transformers would still train one optimizer step (it checks the limit only "
+            "after a step). Set max_steps >= 1, or -1 (the default) to train num_train_epochs epochs.",
+        )
         need(len(self.lora_target_modules) > 0, "lora_target_modules is empty: name at least one module to adapt.")
         need(self.num_sample_steps >= 1, f"num_sample_steps must be >= 1, got {self.num_sample_steps}.")
         need(self.guidance_scale >= 1.0, f"guidance_scale must be >= 1.0 (1.0 = CFG-free), got {self.guidance_scale}.")
@@ -327,6 +341,7 @@ class MarbleDiffusionNFTConfig(BaseConfig):
                 all(math.isfinite(w) for w in self.reward_weights),
                 f"reward_weights must be finite numbers, got {self.reward_weights}.",
             )
+            self._check_zero_weights()
         need(
             self.reward_kwargs is None or isinstance(self.reward_kwargs, dict),
             "reward_kwargs must map reward names to option dicts.",
@@ -376,6 +391,32 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             )
         if self.prompts_per_step is not None:
             need(self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}.")
+
+    def _check_zero_weights(self) -> None:
+        """All-zero ``reward_weights``: an error where they weight the advantages, a warning where they only weight
+        the logged ``reward`` (MARBLE)."""
+        weights = self.reward_weights
+        if not weights or any(w != 0 for w in weights):
+            return
+        aggregation = self.multi_objective_aggregation
+        # One reward is always plain DiffusionNFT (sum_then_normalize), whatever the aggregation says.
+        if aggregation in WEIGHTED_SUM_AGGREGATIONS or len(weights) == 1:
+            used = aggregation if len(weights) > 1 else "sum_then_normalize (any aggregation, with one reward)"
+            raise ValueError(
+                f"reward_weights are all 0 ({weights}): with {used} the advantage is a weighted sum of the rewards, "
+                "so every advantage would be 0 and nothing would train (grad_norm 0.0). reward_weights enter the "
+                f"advantages only for {' and '.join(WEIGHTED_SUM_AGGREGATIONS)} (and any single-reward run); with "
+                "'marble' they only weight the logged reward. Give at least one reward a non-zero weight, or leave "
+                "reward_weights unset (all 1)."
+            )
+        logger.warning(
+            "reward_weights are all 0 (%s): with multi_objective_aggregation=%r (MARBLE with several rewards) the "
+            "balancer sets the advantage weights, so training is unaffected, but the logged reward, reward_std and "
+            "frac_reward_zero_std are 0. reward_weights enter the advantages only for %s.",
+            weights,
+            aggregation,
+            " and ".join(WEIGHTED_SUM_AGGREGATIONS),
+        )
 
     def _check_batching(self) -> None:
         world = self.world_size

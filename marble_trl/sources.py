@@ -168,16 +168,17 @@ def load_source(source: PromptSource | str | Mapping):
     path = source.path
     local = Path(path).expanduser()
     suffix = local.suffix.lstrip(".").lower()
+    origin = path
     if path == "bundled" or suffix == "txt":
         dataset = load_prompt_dataset(path)
+        origin = str(local) if path != "bundled" else "the bundled prompt file"
     elif suffix in FILE_FORMATS:
         if not local.is_file():
             raise FileNotFoundError(
                 f"Prompt source {source.name!r}: file {str(local)!r} does not exist (check 'path' / dataset_name)."
             )
-        from datasets import load_dataset
-
-        dataset = load_dataset(FILE_FORMATS[suffix], data_files=str(local), split="train")
+        dataset = _load_file(source.name, local, suffix)
+        origin = str(local)
     elif local.exists() or path.startswith((".", "/", "~")) or path.count("/") > 1:
         raise FileNotFoundError(
             f"Prompt source {source.name!r}: {path!r} is neither an existing .txt/.json/.jsonl/.csv/.parquet file nor "
@@ -207,8 +208,69 @@ def load_source(source: PromptSource | str | Mapping):
         dataset = dataset.select_columns(["prompt", *[c for c in source.columns if c != "prompt"]])
     if source.max_prompts is not None and len(dataset) > source.max_prompts:
         dataset = dataset.select(range(source.max_prompts))
-    check_prompt_dataset(dataset, name=f"prompt source {source.name!r}")
+    check_prompt_dataset(dataset, name=f"prompt source {source.name!r}", column=source.prompt_column, origin=origin)
     return dataset
+
+
+def _load_file(name: str, file: Path, suffix: str):
+    """A local ``.json`` / ``.jsonl`` / ``.csv`` / ``.parquet`` file as a ``datasets.Dataset``. An empty file (no
+    bytes, only whitespace, ``[]``, a CSV header alone, a Parquet file of 0 rows) raises ``ValueError`` naming the file
+    (``datasets`` gives a bare ``StopIteration`` or "Instruction 'train' corresponds to no data" instead), and so does
+    a file ``datasets`` cannot read."""
+    from datasets import load_dataset
+
+    fmt = FILE_FORMATS[suffix]
+    if _has_no_rows(file, suffix):
+        raise ValueError(
+            f"Prompt source {name!r}: file {str(file)!r} is empty (no rows); it needs at least one row with a "
+            f"prompt ({_FORMAT_HINTS[suffix]})."
+        )
+    try:
+        return load_dataset(fmt, data_files=str(file), split="train")
+    except Exception as err:  # datasets' errors name neither the file nor the fix
+        cause = err.__cause__ or err.__context__
+        detail = f"{type(err).__name__}: {err}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
+        raise ValueError(
+            f"Prompt source {name!r}: could not read {str(file)!r} as {suffix} ({_FORMAT_HINTS[suffix]}): {detail}"
+        ) from err
+
+
+_FORMAT_HINTS = {
+    "json": 'a JSON list of objects such as [{"prompt": "a cat"}], or one object per line',
+    "jsonl": 'one JSON object per line, such as {"prompt": "a cat"}',
+    "csv": "a header line naming the columns, then one row per prompt",
+    "parquet": "a table with a prompt column",
+}
+
+
+def _has_no_rows(file: Path, suffix: str, small: int = 1 << 20) -> bool:
+    """Whether a prompt file plainly holds no rows. Only files up to ``small`` bytes are read (Parquet: its footer);
+    anything else is left to ``datasets``."""
+    size = file.stat().st_size
+    if size == 0:
+        return True
+    if suffix == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_metadata(file).num_rows == 0
+        except Exception:  # not a Parquet file: datasets' error, re-raised naming the file, says so
+            return False
+    if size > small:
+        return False
+    text = file.read_text(encoding="utf-8", errors="replace").strip()
+    if not text:
+        return True
+    if suffix == "json" and text[0] in "[{":
+        import json
+
+        try:
+            return json.loads(text) in ([], {})
+        except ValueError:
+            return False
+    if suffix == "csv":
+        return len([line for line in text.splitlines() if line.strip()]) <= 1
+    return False
 
 
 def load_prompt_sources(specs, add_source_column: bool | None = None):

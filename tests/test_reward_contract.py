@@ -90,12 +90,18 @@ def test_infinite_values_are_rejected(images: torch.Tensor, bad: float) -> None:
         score_rewards([const(bad)], PROMPTS, images)
 
 
-def test_none_and_nan_mean_not_applicable(images: torch.Tensor) -> None:
+def test_none_means_not_applicable_and_nan_is_an_error(images: torch.Tensor) -> None:
     def mixed(prompts: list[str], images: torch.Tensor, **_: object) -> list[object]:
-        return [None, float("nan"), torch.tensor(0.25)]
+        return [None, 0.5, torch.tensor(0.25)]
 
     out = score_rewards([mixed], PROMPTS, images)
-    assert math.isnan(out[0, 0]) and math.isnan(out[0, 1]) and out[0, 2].item() == 0.25
+    assert math.isnan(out[0, 0]) and out[0, 1].item() == 0.5 and out[0, 2].item() == 0.25
+
+    def nan(prompts: list[str], images: torch.Tensor, **_: object) -> list[object]:
+        return [None, float("nan"), 0.25]
+
+    with pytest.raises(RewardError, match=r"'nan' returned NaN for sample 1 .*return None"):
+        score_rewards([nan], PROMPTS, images)
 
 
 def test_names_override_and_reward_name() -> None:

@@ -5,8 +5,12 @@ A reward function is a callable ``fn(prompts, images, **columns) -> list[float |
 - ``prompts``: ``list[str]`` of length ``B``;
 - ``images``: float tensor ``[B, 3, H, W]`` in ``[0, 1]`` (see :mod:`marble_trl.rewards.images`);
 - ``columns``: every other dataset column, one list of length ``B`` each (e.g. the text to render, GenEval metadata);
-- returns one value per sample; ``None`` (or NaN) means "this reward does not apply to this sample" and gives a zero
-  advantage for that reward (MARBLE Eq. 3).
+- returns a sequence (list, tuple, 1-D tensor or array) with one value per sample; ``None`` means "this reward does
+  not apply to this sample" and gives a zero advantage for that reward (MARBLE Eq. 3). A NaN value is an error, not
+  "not applicable": it is what NaN images or a broken reward model produce.
+
+Internally :func:`score_rewards` stores "not applicable" as NaN in its float32 ``[K, B]`` output (the advantage code
+masks NaN); only a ``None`` from the reward becomes that NaN.
 
 The name used in logs is the callable's ``__name__`` (built-ins set it), as in TRL's GRPO.
 """
@@ -15,13 +19,15 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from numbers import Real
 from typing import Any
 
 import torch
 
 RewardFunc = Callable[..., Sequence[float | None]]
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class RewardError(RuntimeError):
@@ -46,13 +52,14 @@ def score_rewards(
 
     If ``timings`` is given, it receives each reward's scoring time in seconds, keyed by name.
 
-    Raises :class:`RewardError` naming the reward (and the prompt, when one sample is at fault) if a reward raises,
-    returns the wrong number of values, a non-numeric value, or an infinite one.
+    Raises :class:`RewardError` naming the reward (and the sample index and prompt, when one sample is at fault) if a
+    reward raises, returns something other than a sequence of values (a dict, a set, a string, ...), the wrong number
+    of values, a non-numeric value, NaN, an infinite value, or one beyond float32's range (about 3.4e38).
     """
     columns = columns or {}
     names = list(names) if names is not None else [reward_name(f) for f in reward_funcs]
     batch = len(prompts)
-    out = torch.full((len(reward_funcs), batch), float("nan"), dtype=torch.float32)
+    out = torch.full((len(reward_funcs), batch), float("nan"), dtype=torch.float32)  # NaN: "not applicable"
     for k, (fn, name) in enumerate(zip(reward_funcs, names)):
         start = time.perf_counter()
         try:
@@ -63,6 +70,14 @@ def score_rewards(
             ) from err
         if timings is not None:
             timings[name] = time.perf_counter() - start
+        if isinstance(values, (Mapping, Set, str, bytes)):
+            # list() of these "works" (a dict gives its keys, a string its characters) and would train on garbage.
+            kind = "a mapping" if isinstance(values, Mapping) else f"a {type(values).__name__}"
+            raise RewardError(
+                f"Reward {name!r} returned {kind} ({type(values).__name__}); it must return a list with one float "
+                "(or None for 'not applicable') per sample, in the order of the prompts. For a reward with several "
+                "scores, register one reward per score (or return the one you train on)."
+            )
         try:
             values = list(values)
         except TypeError as err:
@@ -76,20 +91,27 @@ def score_rewards(
                 "(or None for 'not applicable') per sample."
             )
         for i, value in enumerate(values):
-            if value is None:
+            if value is None:  # not applicable: stays NaN in `out`
                 continue
             if isinstance(value, torch.Tensor) and value.numel() == 1:
                 value = value.item()
+            where = f"for sample {i} (prompt {prompts[i]!r})"
             if isinstance(value, bool) or not isinstance(value, Real):
                 raise RewardError(
-                    f"Reward {name!r} returned {value!r} ({type(value).__name__}) for prompt {prompts[i]!r}; "
-                    "rewards must be real numbers or None."
+                    f"Reward {name!r} returned {value!r} ({type(value).__name__}) {where}; rewards must be real "
+                    "numbers or None."
                 )
             value = float(value)
-            if math.isinf(value):
+            if math.isnan(value):
                 raise RewardError(
-                    f"Reward {name!r} returned {value} for prompt {prompts[i]!r}; rewards must be finite "
-                    "(return None or NaN for 'not applicable')."
+                    f"Reward {name!r} returned NaN {where}. NaN is not 'not applicable': return None for a sample "
+                    "the reward does not apply to. A NaN score usually comes from NaN images (a diverged model: "
+                    "check the loss and grad_norm) or from the reward model itself."
+                )
+            if math.isinf(value) or abs(value) > FLOAT32_MAX:
+                raise RewardError(
+                    f"Reward {name!r} returned {value} {where}; rewards must be finite and within float32's range "
+                    f"(|r| <= {FLOAT32_MAX:.4g}); rescale the reward (or return None for 'not applicable')."
                 )
             out[k, i] = value
     return out
