@@ -42,6 +42,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .data import GroupSampler
 from .lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
+from .output_dir import OutputDirLock, check_not_overwriting
+from .resume import DATASET_KEY, check_resume_config, dataset_fingerprint, resolve_resume
 
 if TYPE_CHECKING:
     from .nft_trainer import MarbleDiffusionNFTTrainer
@@ -155,6 +157,7 @@ def save_training_state(trainer: MarbleDiffusionNFTTrainer, folder: str | os.Pat
         "reward_names": list(trainer.reward_names),
         "reward_weights": [float(w) for w in trainer.reward_weights],
         "aggregation": trainer.aggregation,
+        DATASET_KEY: dataset_fingerprint(trainer.train_dataset),
         "files": files,
         "lora_config": json.loads(json.dumps(trainer.peft_config.to_dict(), default=_jsonable)),
         "training_args": json.loads(trainer.args.to_json_string()),
@@ -198,6 +201,7 @@ def load_training_state(trainer: MarbleDiffusionNFTTrainer, folder: str | os.Pat
             f"{folder} was trained with multi_objective_aggregation {manifest['aggregation']!r}, this trainer uses "
             f"{trainer.aggregation!r}."
         )
+    check_resume_config(trainer, manifest, folder)
     files = manifest["files"]
     transformer = trainer.transformer
     load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
@@ -411,21 +415,80 @@ class SaveOnSignalCallback(TrainerCallback):
 
 
 @contextlib.contextmanager
-def training_session(trainer: MarbleDiffusionNFTTrainer, resume_from_checkpoint=None) -> Iterator[None]:
-    """Around ``trainer.train()``: refuse resumes this module cannot make exact, and install the
-    :class:`SaveOnSignalCallback` handlers (restored on exit, also on errors)."""
+def training_session(trainer: MarbleDiffusionNFTTrainer, resume_from_checkpoint=None) -> Iterator[str | None]:
+    """Around ``trainer.train()``: refuse resumes this module cannot make exact, hold the ``output_dir`` lock, refuse to
+    write over an earlier run, pick the checkpoint to resume from (yielded: the newest *valid* one for ``True``),
+    install the :class:`SaveOnSignalCallback` handlers, and write an emergency checkpoint when training raises.
+    Everything is undone on exit, also on errors."""
     if resume_from_checkpoint and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
         raise NotImplementedError(
             "Resuming under DeepSpeed / FSDP is not supported yet: the Trainer loads those checkpoints through the "
             "engine and would skip the old-policy adapter, the parameter EMA and the MARBLE state. Resume with DDP "
             "or a single process (checkpoints are engine-independent), or start from the exported LoRA."
         )
+    args = trainer.args
+    lock = OutputDirLock(args.output_dir) if args.should_save else None
+    if lock is not None:
+        lock.acquire()
     callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SaveOnSignalCallback)), None)
     active = callback is not None and threading.current_thread() is threading.main_thread()
-    if active:
-        callback.install()
     try:
-        yield
-    finally:
+        check_not_overwriting(args.output_dir, bool(resume_from_checkpoint), args.overwrite_output_dir)
+        resume = resolve_resume(args.output_dir, resume_from_checkpoint)
         if active:
-            callback.restore()
+            callback.install()
+        try:
+            yield resume
+        except Exception as error:
+            save_emergency_checkpoint(trainer, error)
+            raise
+        finally:
+            if active:
+                callback.restore()
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def save_emergency_checkpoint(trainer: MarbleDiffusionNFTTrainer, error: BaseException) -> str | None:
+    """After ``train()`` raised: write an atomic checkpoint of the last completed step (the state a step-end save
+    would have written: a step interrupted midway changed no parameter), so the run resumes from there. Skipped
+    before the first step, when that step's checkpoint exists, with non-finite weights (never saved), and with
+    several processes (a save is collective and the other processes may be stuck). Returns the folder or None."""
+    step = trainer.state.global_step
+    folder = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    reason = None
+    if step == 0:
+        reason = "no optimizer step was completed"
+    elif trainer.accelerator.num_processes > 1:
+        reason = "a save needs every process, and with several processes the others may be stuck"
+    elif folder.is_dir():
+        reason = f"{folder} already exists"
+    else:
+        from .guards import non_finite_tensors
+
+        if non_finite_tensors({n: p.detach() for n, p in trainer.trainable_parameters().items()}):
+            reason = "the LoRA is not finite"
+    if reason is not None:
+        logger.error(
+            "Training failed at step %d (%s: %s); no emergency checkpoint: %s.",
+            step,
+            type(error).__name__,
+            error,
+            reason,
+        )
+        return None
+    try:
+        trainer._save_checkpoint(trainer.model, trial=None)
+    except Exception as save_error:  # the original error matters more: report both, raise the original
+        logger.error("Training failed (%r) and the emergency checkpoint failed too: %r", error, save_error)
+        return None
+    logger.error(
+        "Training failed at step %d (%s: %s). Emergency checkpoint: %s (resume with --resume_from_checkpoint true).",
+        step,
+        type(error).__name__,
+        error,
+        folder,
+    )
+    trainer.emergency_checkpoint = str(folder)
+    return str(folder)

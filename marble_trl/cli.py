@@ -157,16 +157,18 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
         import torch
 
         before = torch.cat([trainer.generate(grid_prompts, seed=s, use_lora=False) for s in seeds])
-    result = trainer.train(resume_from_checkpoint=_resume_arg(training_args.resume_from_checkpoint))
+    try:
+        result = trainer.train(resume_from_checkpoint=_resume_arg(training_args.resume_from_checkpoint))
+    except Exception as error:
+        _save_after_failure(trainer, out, error, start)
+        raise
     trainer.save_model(str(out))
     summary = {"global_step": result.global_step, "train_loss": result.training_loss}
     if trainer.stopped_by_signal:
         summary["stopped_by"] = trainer.stopped_by_signal
         before = None  # no "after" grid: exit quickly (a scheduler's grace period is short)
     if trainer.is_world_process_zero():
-        with open(out / "metrics.jsonl", "w") as f:
-            for entry in trainer.state.log_history:
-                f.write(json.dumps(entry) + "\n")
+        _write_metrics(trainer, out)
         if before is not None:
             import torch
 
@@ -185,6 +187,34 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
         mixture = script_args.dataset_mixture
         trainer.push_to_hub(dataset_name=", ".join(s.path for s in mixture) if mixture else script_args.dataset_name)
     return summary
+
+
+def _write_metrics(trainer, out: Path) -> None:
+    with open(out / "metrics.jsonl", "w") as f:
+        for entry in trainer.state.log_history:
+            f.write(json.dumps(entry) + "\n")
+
+
+def _save_after_failure(trainer, out: Path, error: BaseException, start: float) -> None:
+    """Training raised: keep what it made (the LoRA when finite, metrics.jsonl, a run_summary.json naming the
+    error and the emergency checkpoint) before the error propagates (non-zero exit)."""
+    if not trainer.is_world_process_zero():
+        return
+    from .guards import non_finite_tensors
+
+    out.mkdir(parents=True, exist_ok=True)
+    lora_finite = not non_finite_tensors({n: p.detach() for n, p in trainer.trainable_parameters().items()})
+    if lora_finite and trainer.state.global_step > 0 and trainer.accelerator.num_processes == 1:
+        trainer.save_model(str(out))
+    _write_metrics(trainer, out)
+    summary = {
+        "global_step": trainer.state.global_step,
+        "error": f"{type(error).__name__}: {error}",
+        "emergency_checkpoint": trainer.emergency_checkpoint,
+        "wall_time_s": round(time.perf_counter() - start, 1),
+    }
+    (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"[marble-trl] failed at step {trainer.state.global_step}: {summary['error']} (kept in {out})")
 
 
 def _resume_arg(value: str | None) -> str | bool | None:

@@ -150,6 +150,32 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         },
     )
 
+    # --- faults and resume ---
+    max_nonfinite_skips: int = field(
+        default=3,
+        metadata={
+            "help": "Non-finite guard: a step whose loss, gradients or update is NaN/inf is skipped (parameters, "
+            "optimizer state, old policy and EMA unchanged; counted in nonfinite/skipped_steps); this many "
+            "consecutive skips stop the run with an error. 0: stop at the first. Keeping the last finite state "
+            "costs one copy of the LoRA and its optimizer state per step."
+        },
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start a fresh run in an output_dir that holds checkpoints of an earlier run (they are then "
+            "overwritten as the new run saves). Without it such a run is refused unless it resumes."
+        },
+    )
+    resume_allow_changes: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Fields allowed to differ from the checkpoint's configuration on resume (e.g. learning_rate, "
+            "seed, train_dataset); any other change to what the resumed steps compute is refused. learning_rate and "
+            "weight_decay are applied to the restored optimizer. See docs/checkpoints.md."
+        },
+    )
+
     # --- rewards ---
     reward_weights: list[float] | None = field(
         default=None, metadata={"help": "Weights of the rewards for the weighted-sum baselines (default: all 1)."}
@@ -323,6 +349,16 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             self.old_policy_decay in DECAY_TYPES,
             f"old_policy_decay must be one of {DECAY_TYPES}, got {self.old_policy_decay!r}.",
         )
+        from .resume import APPLIED_FIELDS, EXACT_FIELDS
+
+        resumable = {*EXACT_FIELDS, *APPLIED_FIELDS, "train_dataset"}
+        unknown = sorted(set(self.resume_allow_changes or []) - resumable)
+        need(
+            not unknown,
+            f"resume_allow_changes names {unknown}, which resume does not check (they may change freely) or which "
+            f"cannot change; the fields it checks: {sorted(resumable)}.",
+        )
+        need(self.max_nonfinite_skips >= 0, f"max_nonfinite_skips must be >= 0, got {self.max_nonfinite_skips}.")
         need(
             self.old_policy_update_interval >= 1,
             f"old_policy_update_interval must be >= 1 (1 = after every optimizer step), got "

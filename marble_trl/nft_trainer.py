@@ -62,6 +62,7 @@ from .checkpoint import (
 from .data import GroupSampler, check_prompt_dataset
 from .distributed import backward, check_frozen_models_not_partitioned, disable_zero3_init, gathered
 from .evaluation import generate_eval_images, grid_image, sample_seed, summarize_scores
+from .guards import NonFiniteGuard
 from .lora import (
     TRAIN_ADAPTER,
     LoraEMA,
@@ -75,6 +76,7 @@ from .lora import (
 from .models import load_sd3_pipeline, predict_velocity
 from .nft import add_noise, advantage_to_r, nft_loss, nft_loss_terms, old_policy_decay, param_ema_decay
 from .nft_config import MarbleDiffusionNFTConfig
+from .resume import apply_changed_hyperparameters
 from .rewards import RewardFunc, resolve_reward_funcs, reward_name, score_rewards
 from .rollout import PromptEmbeddings, decode_latents, encode_prompts, make_scheduler, sample_latents, training_sigmas
 from .seeding import keyed_generator
@@ -233,8 +235,11 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                 uniform_final_steps=args.marble_uniform_final_steps,
             )
         self._gradient_engine = None
+        self.nonfinite_guard = NonFiniteGuard(self, args.max_nonfinite_skips)
+        self.add_callback(self.nonfinite_guard)  # before _AfterOptimizerStep, which reads its verdict
         self.add_callback(_AfterOptimizerStep(self))
         self._checkpoint_staging_root: str | None = None
+        self.emergency_checkpoint: str | None = None  # set when train() raised and a checkpoint was written
         self.add_callback(SaveOnSignalCallback(self))
         self.add_callback(SamplerEpochCallback())
 
@@ -382,6 +387,12 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         x0_all = torch.cat(latents)
         images_all = torch.cat(images)
         rollout_time = time.perf_counter() - start
+        if not torch.isfinite(x0_all).all():
+            raise FloatingPointError(
+                f"Step {self.state.global_step}: the rollouts' latents contain NaN/inf, so every image and reward would "
+                "be NaN. The old-policy adapter or the base model has non-finite weights (a corrupt checkpoint or "
+                "model file?), or the rollout overflowed in half precision; check the model and the last checkpoint."
+            )
 
         start = time.perf_counter()
         timings: dict[str, float] = {}
@@ -620,6 +631,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             sums["nft/loss_neg"] += terms.loss_neg.detach().mean()
             sums["kl"] += terms.kl.detach().mean()
             sums["nft/policy_deviation"] += ((v_theta.detach() - v_old) ** 2).mean()
+        if not torch.isfinite(total).item():
+            self.nonfinite_guard.flag(f"the NFT loss of micro-batch {inputs['micro_batch']} is {total.item()}")
         for key, value in sums.items():
             self._metrics[key].append(value.item() / num_train)
         self._metrics["nft/r_mean"].append(r.mean().item())
@@ -661,10 +674,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                     p.grad.div_(world)
         if not torch.isfinite(buffers).all():
             bad = [n for n, row in zip(self.reward_names, buffers) if not torch.isfinite(row).all()]
-            raise FloatingPointError(
-                f"Step {self.state.global_step}: the per-reward gradients of {bad} are not finite (training diverged "
-                "or a reward produced extreme advantages); lower the learning rate or check the rewards."
-            )
+            self.nonfinite_guard.flag(f"the per-reward gradients of {bad} are not finite")
+            return  # the step is skipped: no QP, no coefficient update
         if mode == "refresh":
             buffers[~self._reward_has_signal.to(buffers.device)] = 0.0
             update, info = self.balancer.combine(buffers)
@@ -704,6 +715,10 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
     def _after_optimizer_step(self) -> None:
         step = self.state.global_step  # optimizer steps completed before this one
+        self._metrics["nonfinite/skipped_steps"].append(float(self.nonfinite_guard.total))
+        if self.nonfinite_guard.skipped:  # nothing moved: neither may the old policy nor the EMA
+            self._metrics["time/train"].append(self._step_timer.pop("train", 0.0))
+            return
         if (step + 1) % self.args.old_policy_update_interval == 0:
             eta = old_policy_decay(step, self.args.old_policy_decay)
             self.old_policy.update(self.transformer, eta)
@@ -765,8 +780,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
     # ------------------------------------------------------------------ checkpoints and the Hub
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         """``transformers.Trainer.train``; SIGTERM / SIGINT write a checkpoint at the next step end and stop."""
-        with training_session(self, resume_from_checkpoint):
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+        with training_session(self, resume_from_checkpoint) as resume:
+            return super().train(resume, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial) -> None:
         save_checkpoint_atomically(self, super()._save_checkpoint, model, trial)
@@ -777,6 +792,12 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         load_training_state(self, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # The restored optimizer / scheduler states carry the old learning rate: apply an allowed new one.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            apply_changed_hyperparameters(self, checkpoint)
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
         from .hub import init_repo

@@ -161,8 +161,10 @@ def test_process_killed_during_save_leaves_last_checkpoint_loadable(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
 
-    # save_total_limit=1 removed checkpoint-1; the interrupted save of step 3 is only a staging folder.
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "tmp-checkpoint-3"]
+    # save_total_limit=1 removed checkpoint-1; the interrupted save of step 3 is only a staging folder; the killed
+    # run's output_dir lock is left behind (stale: its pid is gone), and the resumed run takes it over.
+    assert sorted(p.name for p in out.iterdir()) == [".marble_trl.lock", "checkpoint-2", "tmp-checkpoint-3"]
+    assert json.loads((out / ".marble_trl.lock").read_text())["pid"] == proc.pid
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
     with pytest.raises(ValueError, match="not a complete"):
         read_manifest(out / "tmp-checkpoint-3" / "checkpoint-3")
@@ -172,7 +174,7 @@ def test_process_killed_during_save_leaves_last_checkpoint_loadable(tmp_path):
     resumed = make_trainer(out, max_steps=3, save_strategy="steps", save_steps=1, save_total_limit=1)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 3
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-3"]  # the lock is released at the end
     assert read_manifest(out / "checkpoint-3")["global_step"] == 3
 
 

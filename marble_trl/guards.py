@@ -1,0 +1,132 @@
+"""The non-finite guard: a step whose loss, gradients or update is not finite changes nothing, and is counted.
+
+Checked on every optimizer step (see ``docs/checkpoints.md``, "Faults and what survives them"):
+
+1. before the optimizer step: the step's loss and per-reward gradient buffers (flagged by the trainer while it
+   computes them, :meth:`NonFiniteGuard.flag`) and every trainable gradient. A bad step is **skipped**: the gradients
+   are dropped (``grad = None``, which torch optimizers skip), so parameters and optimizer state stay as they were;
+   the old policy and the parameter EMA are not updated either, and non-finite per-reward gradients refresh no
+   MARBLE coefficients;
+2. after the optimizer step: the trainable adapter. If it is not finite (finite gradients, but an update that
+   overflowed, e.g. a huge learning rate), parameters and optimizer state are restored from the copy taken before
+   the step, and the step counts as skipped.
+
+``max_nonfinite_skips`` consecutive skips stop the run with a :class:`FloatingPointError` that says what was not
+finite; the parameters are then the last finite ones (the emergency checkpoint saves those). With
+``max_nonfinite_skips=0`` the first non-finite step is that error. The skipped step still counts as an optimizer step
+(``global_step`` advances and the learning-rate schedule moves on), like a skipped fp16 ``GradScaler`` step.
+
+Under DeepSpeed the optimizer step runs inside the engine's backward, so a step cannot be skipped from here: a
+non-finite loss or gradient buffer is an immediate error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteGuard(TrainerCallback):
+    """Skips optimizer steps that would make the trainable adapter non-finite (see the module docstring)."""
+
+    def __init__(self, trainer: Any, max_skips: int) -> None:
+        self.trainer = trainer
+        self.max_skips = max_skips
+        self.reset()
+
+    def reset(self) -> None:
+        self.reasons: list[str] = []  # why the current step is bad (empty: fine so far)
+        self.skipped = False  # the step just taken was skipped (read by the trainer's after-step update)
+        self.consecutive = 0
+        self.total = 0
+        self._snapshot: tuple[dict, dict] | None = None
+
+    def flag(self, reason: str) -> None:
+        """Mark the current step as non-finite (called while the step's gradients are formed)."""
+        if self.trainer.is_deepspeed_enabled:
+            raise FloatingPointError(
+                f"Step {self.trainer.state.global_step}: {reason}. Under DeepSpeed the engine steps inside the "
+                "backward, so the step cannot be skipped; lower the learning rate or check the rewards and inputs."
+            )
+        self.reasons.append(reason)
+
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        return self.trainer.trainable_parameters()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.reasons = []
+        self.skipped = False
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.trainer.is_deepspeed_enabled:
+            return
+        params = self._params()
+        bad = [n for n, p in params.items() if p.grad is not None and not torch.isfinite(p.grad).all()]
+        if bad:
+            self.reasons.append(f"the gradients of {len(bad)} LoRA weights are not finite (e.g. {bad[0]})")
+        if self.reasons:
+            for p in params.values():
+                p.grad = None  # torch optimizers leave parameters without a gradient (and their state) untouched
+            self._skip(state)
+            return
+        if self.max_skips > 0:
+            optimizer = self.trainer.optimizer
+            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+            self._snapshot = (
+                {n: p.detach().clone() for n, p in params.items()},
+                {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in inner.state.items()},
+            )
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.trainer.is_deepspeed_enabled or self.skipped:
+            return
+        params = self._params()
+        bad = [n for n, p in params.items() if not torch.isfinite(p).all()]
+        if not bad:
+            self.consecutive = 0
+            return
+        self.reasons.append(f"the optimizer step made {len(bad)} LoRA weights non-finite (e.g. {bad[0]})")
+        if self._snapshot is None:
+            raise FloatingPointError(
+                f"Step {state.global_step}: {self.reasons[-1]}, and max_nonfinite_skips=0 keeps no copy to restore. "
+                "Lower the learning rate."
+            )
+        values, optimizer_state = self._snapshot
+        inner = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(values[n])
+        inner.state.clear()
+        inner.state.update(optimizer_state)
+        self._skip(state)
+
+    def _skip(self, state) -> None:
+        self.skipped = True
+        self.consecutive += 1
+        self.total += 1
+        reason = "; ".join(self.reasons)
+        if self.consecutive > self.max_skips:
+            raise FloatingPointError(
+                f"Step {state.global_step}: {reason}. {self.consecutive} consecutive non-finite step(s) "
+                f"(max_nonfinite_skips={self.max_skips}); the LoRA is left at its last finite value. Lower the "
+                "learning rate, check the rewards and the inputs, or resume from an earlier checkpoint."
+            )
+        logger.warning(
+            "Step %d skipped (%s): parameters, optimizer state, old policy and EMA left unchanged (%d consecutive, "
+            "%d in all; the run stops after %d consecutive).",
+            state.global_step,
+            reason,
+            self.consecutive,
+            self.total,
+            self.max_skips,
+        )
+
+
+def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the tensors holding a NaN or an infinity."""
+    return [n for n, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
