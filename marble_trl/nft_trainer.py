@@ -179,6 +179,11 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                 init_lora_weights=init,
                 target_modules=list(args.lora_target_modules),
             )
+        if getattr(peft_config, "lora_alpha", None) == 0:
+            raise ValueError(
+                "peft_config.lora_alpha is 0: the adapter's output is scaled by lora_alpha / r, so training would never "
+                "change the model. Use a positive lora_alpha (e.g. 2 r)."
+            )
         self.peft_config = peft_config
         add_policy_adapters(transformer, peft_config)
         # diffusers models have `enable_gradient_checkpointing`; Trainer calls `activation_checkpointing_enable`.

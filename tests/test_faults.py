@@ -301,3 +301,20 @@ def test_a_fresh_run_does_not_overwrite_an_earlier_runs_checkpoints(reference_ru
     with pytest.raises(FileExistsError, match="overwrite_output_dir"):
         make_trainer(out, max_steps=1).train()
     make_trainer(out, max_steps=1, overwrite_output_dir=True).train()
+
+
+def test_a_user_lora_config_with_zero_alpha_is_refused(tmp_path):
+    from marble_runs import small_args
+    from peft import LoraConfig
+
+    from marble_trl import MarbleDiffusionNFTTrainer
+
+    config = LoraConfig(r=4, lora_alpha=0, target_modules=["attn.to_q"])
+    with pytest.raises(ValueError, match="lora_alpha is 0"):
+        MarbleDiffusionNFTTrainer(
+            "tiny",
+            list(REWARDS),
+            args=small_args(tmp_path),
+            train_dataset=Dataset.from_dict({"prompt": ["a cat"]}),
+            peft_config=config,
+        )
