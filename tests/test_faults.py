@@ -304,6 +304,7 @@ def test_a_fresh_run_does_not_overwrite_an_earlier_runs_checkpoints(reference_ru
 
 
 def test_a_user_lora_config_with_zero_alpha_is_refused(tmp_path):
+    from datasets import Dataset
     from marble_runs import small_args
     from peft import LoraConfig
 
