@@ -16,6 +16,9 @@ finite; the parameters are then the last finite ones (the emergency checkpoint s
 ``max_nonfinite_skips=0`` the first non-finite step is that error. The skipped step still counts as an optimizer step
 (``global_step`` advances and the learning-rate schedule moves on), like a skipped fp16 ``GradScaler`` step.
 
+A finite loss that grows ``DIVERGENCE_FACTOR`` (1e4) times over the first step's is not skipped, but warned about once
+(a far too large learning rate: the loss reached 1.5e14 at ``learning_rate=1e4``).
+
 Under DeepSpeed the optimizer step runs inside the engine's backward, so a step cannot be skipped from here: a
 non-finite loss or gradient buffer is an immediate error.
 """
@@ -29,6 +32,8 @@ import torch
 from transformers import TrainerCallback
 
 logger = logging.getLogger(__name__)
+
+DIVERGENCE_FACTOR = 1e4  # a finite loss this many times the first step's is reported as divergence
 
 
 class NonFiniteGuard(TrainerCallback):
@@ -45,6 +50,25 @@ class NonFiniteGuard(TrainerCallback):
         self.consecutive = 0
         self.total = 0
         self._snapshot: tuple[dict, dict] | None = None
+        self._first_loss: float | None = None
+        self._warned_divergence = False
+
+    def observe_loss(self, loss: float) -> None:
+        """A finite micro-batch loss: warn once when it has grown ``DIVERGENCE_FACTOR``-fold over the run's first one
+        (finite, so not skipped, but almost certainly a diverging run: far too large a learning rate)."""
+        if self._first_loss is None:
+            self._first_loss = abs(loss)
+            return
+        if not self._warned_divergence and abs(loss) > DIVERGENCE_FACTOR * max(self._first_loss, 1e-6):
+            self._warned_divergence = True
+            logger.warning(
+                "Step %d: the NFT loss is %.3g, %.0e times the first step's (%.3g): training is diverging. Lower the "
+                "learning rate (or check the rewards' scale).",
+                self.trainer.state.global_step,
+                loss,
+                DIVERGENCE_FACTOR,
+                self._first_loss,
+            )
 
     def flag(self, reason: str) -> None:
         """Mark the current step as non-finite (called while the step's gradients are formed)."""

@@ -638,6 +638,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             sums["nft/policy_deviation"] += ((v_theta.detach() - v_old) ** 2).mean()
         if not torch.isfinite(total).item():
             self.nonfinite_guard.flag(f"the NFT loss of micro-batch {inputs['micro_batch']} is {total.item()}")
+        else:
+            self.nonfinite_guard.observe_loss(total.item() / num_train)
         for key, value in sums.items():
             self._metrics[key].append(value.item() / num_train)
         self._metrics["nft/r_mean"].append(r.mean().item())

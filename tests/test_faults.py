@@ -319,3 +319,14 @@ def test_a_user_lora_config_with_zero_alpha_is_refused(tmp_path):
             train_dataset=Dataset.from_dict({"prompt": ["a cat"]}),
             peft_config=config,
         )
+
+
+def test_a_diverging_loss_is_warned_about(tmp_path, caplog):
+    trainer = make_trainer(tmp_path / "run", max_steps=4, learning_rate=1e4, max_nonfinite_skips=4)
+    with caplog.at_level("WARNING", logger="marble_trl.guards"):
+        try:
+            trainer.train()
+        except FloatingPointError:
+            pass  # it may end non-finite as well: that is the guard's other job
+    assert caplog.text.count("training is diverging") == 1  # measured: the loss reaches ~7e14 at step 3
+    assert _finite(trainer)
