@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .base import dataset_columns
 from .images import to_pil
 from .registry import register_reward
 
@@ -374,7 +375,7 @@ class HTTPReward:
         scores: list[float | None] = []
         for i, start in enumerate(range(0, n, step)):
             stop = min(start + step, n)
-            chunk_columns = {k: list(v)[start:stop] for k, v in columns.items()}
+            chunk_columns = {k: list(v)[start:stop] for k, v in dataset_columns(columns).items()}  # not trainer_state
             data = self._payload(list(prompts[start:stop]), images[start:stop], chunk_columns)
             request = f", request {i + 1} of {n_requests}" if n_requests > 1 else ""
             scores.extend(self._parse(self._post(data, budget_end, budget, request), stop - start))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,7 +67,11 @@ def _import_dotted(path: str) -> Any:
 
 def get_reward(spec: str | RewardFunc, **options: Any) -> RewardFunc:
     """Resolve one reward: a callable is returned as is; a registered name is built with ``options``; a dotted
-    path ``pkg.module.func`` (or ``pkg.module:func``) is imported (and called with ``options`` if any are given)."""
+    path ``pkg.module.func`` (or ``pkg.module:func``) is imported (and called with ``options`` if any are given; a
+    class is always instantiated, with no arguments when no options are given).
+
+    The signature is checked by the trainer (:func:`~marble_trl.rewards.base.check_reward_signature`), which knows
+    the dataset's columns."""
     if callable(spec):
         if options:
             raise ValueError(f"Options {sorted(options)} were given for a reward callable; pass them to it directly.")
@@ -86,7 +91,8 @@ def get_reward(spec: str | RewardFunc, **options: Any) -> RewardFunc:
         return obj
     if "." in spec or ":" in spec:
         obj = _import_dotted(spec)
-        return obj(**options) if options else obj
+        # A class is built (with its options, or none); a function is the reward itself, or a factory with options.
+        return obj(**options) if options or inspect.isclass(obj) else obj
     raise ValueError(
         f"Unknown reward {spec!r}. Known rewards: {', '.join(available_rewards())}; or give a dotted path."
     )
