@@ -10,14 +10,18 @@ nor on any training randomness; the default sampler is the reference's 40-step E
 - ``<model>/scores.jsonl``: one line per (prompt, image) with each reward's score (``null`` = not applicable); a rerun
   reuses the rows already there and generates only the missing ones (``<model>/settings.json`` guards against mixing
   settings);
-- ``<model>/images/``: the images of the first ``--grid_prompts`` prompts, and ``<model>/grid.png`` tiling them;
+- ``<model>/images/``: the images of the first ``--grid_prompts`` prompts, and ``<model>/grid.png`` tiling them
+  (each captioned with its prompt and scores);
+- ``comparison.png``: those images side by side, one column per model, one row per (prompt, image), same seeds;
 - ``results.md`` and ``results.csv``: per model, each reward's mean and standard error, and the paper's composite
-  (the mean over rewards of the model's z-score against the compared models; :mod:`marble_trl.scores`).
+  (the mean over rewards of the model's z-score against the compared models; :mod:`marble_trl.scores`);
+- ``rewards.png``: a bar chart of each reward's mean and standard error per model (needs matplotlib).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -30,9 +34,13 @@ import torch
 from .scores import composite_zscores, markdown_table, mean_sem, write_csv
 from .seeding import derived_seed
 
+logger = logging.getLogger(__name__)
+
 SCORES_FILE = "scores.jsonl"
 SETTINGS_FILE = "settings.json"
 GRID_FILE = "grid.png"
+COMPARISON_FILE = "comparison.png"
+REWARD_CHART_FILE = "rewards.png"
 BASE_MODEL_NAME = "base"
 
 
@@ -89,32 +97,37 @@ def summarize_scores(
     return out
 
 
-def grid_image(images: torch.Tensor, columns: int, resolution: int):
-    """A PIL grid of ``images`` (small images scaled up to about 128 px so the grid is viewable)."""
-    from PIL import Image
+def grid_image(
+    images: torch.Tensor,
+    columns: int,
+    resolution: int,
+    *,
+    prompts: Sequence[str] | None = None,
+    scores: Sequence[dict[str, float | None] | None] | None = None,
+):
+    """A PIL grid of ``images``, each captioned with its prompt and its scores (``{reward: value}``) when given;
+    small images are scaled up (nearest neighbour) to about 128 px so the images and the text are readable."""
+    from .samples import captioned_grid
 
-    from .samples import image_grid
-
-    grid = image_grid(images, max(1, columns))
     scale = max(1, 128 // max(1, resolution))
-    if scale > 1:
-        grid = grid.resize((grid.width * scale, grid.height * scale), Image.NEAREST)
-    return grid
+    return captioned_grid(images, max(1, columns), captions=prompts, scores=scores, scale=scale)
 
 
-def save_file_grid(files: Sequence[Path], columns: int, path: Path) -> Path:
-    """Tile image files (same size) into a grid PNG, small images scaled up to about 128 px."""
+def save_file_grid(
+    files: Sequence[Path],
+    columns: int,
+    path: Path,
+    *,
+    prompts: Sequence[str] | None = None,
+    scores: Sequence[dict[str, float | None] | None] | None = None,
+) -> Path:
+    """Tile image files (same size) into a grid PNG, each captioned with its prompt and scores when given; small
+    images scaled up to about 128 px."""
     from PIL import Image
 
-    pils = [Image.open(f).convert("RGB") for f in files]
-    w, h = pils[0].size
-    rows = (len(pils) + columns - 1) // columns
-    grid = Image.new("RGB", (columns * w, rows * h), "white")
-    for k, im in enumerate(pils):
-        grid.paste(im, ((k % columns) * w, (k // columns) * h))
-    scale = max(1, 128 // max(1, w))
-    if scale > 1:
-        grid = grid.resize((grid.width * scale, grid.height * scale), Image.NEAREST)
+    from .samples import captioned_grid
+
+    grid = captioned_grid([Image.open(f) for f in files], columns, captions=prompts, scores=scores)
     grid.save(path)
     return path
 
@@ -266,6 +279,7 @@ def evaluate_models(
     resolution = settings.resolution or first.get("resolution")
     max_len = settings.max_sequence_length or first.get("max_sequence_length") or 256
     results = []
+    sheet_cells: list[tuple[str, list[Path], list[dict[str, Any]]]] = []
     for spec in models:
         folder = output / _safe_dirname(spec.name)
         record = {
@@ -361,10 +375,83 @@ def evaluate_models(
             result[f"{name}/sem"] = summary[f"{name}/sem"]
         results.append(result)
         if grid_n:
-            files = [images_dir / f"{p:05d}-{i:02d}.png" for p in range(grid_n) for i in range(n_img)]
-            save_file_grid(files, n_img if n_img > 1 else grid_n, folder / GRID_FILE)
+            grid_items = [(p, i) for p in range(grid_n) for i in range(n_img)]
+            files = [images_dir / f"{p:05d}-{i:02d}.png" for p, i in grid_items]
+            grid_scores = [done[it]["scores"] for it in grid_items]
+            save_file_grid(
+                files, n_img if n_img > 1 else grid_n, folder / GRID_FILE,
+                prompts=[prompts[p] for p, _ in grid_items], scores=grid_scores,
+            )  # fmt: skip
+            sheet_cells.append((spec.name, files, grid_scores))
     write_results(results, names, output)
+    if sheet_cells:
+        grid_items = [(p, i) for p in range(grid_n) for i in range(n_img)]
+        labels = [
+            [prompts[p], f"prompt {p}, image {i}, seed {sample_seed(settings.seed, p, i)}"] for p, i in grid_items
+        ]
+        save_comparison(sheet_cells, labels, output / COMPARISON_FILE)
+    save_reward_chart(results, names, output / REWARD_CHART_FILE)
     return results
+
+
+def save_comparison(
+    cells: Sequence[tuple[str, Sequence[Path], Sequence[dict[str, Any] | None]]],
+    row_labels: Sequence[Sequence[str] | str],
+    path: str | os.PathLike,
+) -> Path:
+    """The side-by-side sheet: one column per model (``(name, image files, scores)`` in ``cells``, the files in the
+    same (prompt, image) order for every model), one row per (prompt, image)."""
+    from .samples import comparison_sheet
+
+    names = [name for name, _, _ in cells]
+    images = [[files[r] for _, files, _ in cells] for r in range(len(row_labels))]
+    scores = [[s[r] for _, _, s in cells] for r in range(len(row_labels))]
+    sheet = comparison_sheet(names, images, row_labels, scores)
+    path = Path(path)
+    sheet.save(path)
+    return path
+
+
+def save_reward_chart(results: Sequence[dict[str, Any]], names: Sequence[str], path: str | os.PathLike) -> Path | None:
+    """A bar chart per reward of each model's mean with its standard error (``results`` as returned by
+    :func:`evaluate_models`). Needs matplotlib (the ``bench`` / ``dev`` extras): without it, logs a note and returns
+    ``None``."""
+    try:
+        from matplotlib import colormaps
+        from matplotlib.figure import Figure  # no pyplot: the global backend is left alone
+    except ImportError:
+        logger.warning(
+            "rewards.png not written: matplotlib is not installed (pip install 'marble_trl[bench]'); the same numbers "
+            "are in results.md."
+        )
+        return None
+    models = [str(r["model"]) for r in results]
+    k = max(1, len(names))
+    fig = Figure(figsize=(max(3.0, 0.6 * len(models) + 1.6) * k, 3.6), layout="constrained")
+    axes = fig.subplots(1, k, squeeze=False)
+    colors = [colormaps["tab10"](m % 10) for m in range(len(models))]
+    for ax, name in zip(axes[0], names):
+        means = [float(r.get(f"{name}/mean", math.nan)) for r in results]
+        sems = [float(r.get(f"{name}/sem", math.nan)) for r in results]
+        xs = list(range(len(models)))
+        ax.bar(
+            xs, [m if math.isfinite(m) else 0.0 for m in means],
+            yerr=[s if math.isfinite(s) else 0.0 for s in sems], color=colors, capsize=4,
+        )  # fmt: skip
+        for x, m, s in zip(xs, means, sems):
+            text = f"{m:.3g}" if math.isfinite(m) else "n/a"
+            y = (m if math.isfinite(m) else 0.0) + (s if math.isfinite(s) else 0.0) * (1 if m >= 0 else -1)
+            ax.annotate(
+                text, (x, y), textcoords="offset points", xytext=(0, 3 if m >= 0 else -10), ha="center", fontsize=8
+            )
+        ax.set_title(name)
+        ax.set_xticks(xs, models, rotation=30 if len(models) > 2 else 0, ha="right" if len(models) > 2 else "center")
+        ax.axhline(0.0, color="0.5", linewidth=0.8)
+        ax.margins(y=0.15)
+    fig.suptitle("mean reward per model (error bars: standard error of the mean)", fontsize=10)
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    return path
 
 
 def write_results(results: list[dict[str, Any]], names: Sequence[str], output: str | os.PathLike) -> None:

@@ -1,17 +1,165 @@
-"""Image grids: the before/after sample sheet of a run."""
+"""Image sheets a person can read: captioned grids (prompt and per-image scores under each image), the before/after
+sample sheet of a run, and the side-by-side comparison sheet of ``marble-trl evaluate``.
+
+Text is drawn with Pillow's built-in default font (no font file, no download); small images are scaled up with
+nearest-neighbour so a 32 px image and its caption are both readable. Every sheet records the strings it drew in
+``image.info["captions"]``.
+"""
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 from .rewards.images import to_pil
 
+logger = logging.getLogger(__name__)
 
+FONT_SIZE = 11
+MIN_CELL = 128  # images narrower than this are scaled up (nearest neighbour) and shown in a cell this wide
+PAD = 4  # margin around text
+GAP = 2  # white gap between cells
+PROMPT_LINES = 3  # a longer prompt is truncated with an ellipsis
+HEADER_LINES = 2
+LABEL_WIDTH = 180  # the row-label column of a comparison sheet
+BACKGROUND = (255, 255, 255)
+TEXT = (0, 0, 0)
+SCORE_TEXT = (20, 60, 140)
+TITLE_BAND = (232, 236, 244)
+
+Scores = Mapping[str, float | None]
+
+
+# ---------------------------------------------------------------------------------------------- text layout
+@cache
+def caption_font(size: int = FONT_SIZE):
+    """Pillow's default font: the bundled FreeType font at ``size`` when FreeType is available, else the bitmap
+    font (both ship with Pillow and work offline)."""
+    try:
+        return ImageFont.load_default(size=size)
+    except (TypeError, OSError, ImportError, AttributeError):  # Pillow < 10.1: no size argument
+        return ImageFont.load_default()
+
+
+def _unicode_ok(font) -> bool:
+    return isinstance(font, ImageFont.FreeTypeFont)
+
+
+def _ellipsis(font) -> str:
+    return "…" if _unicode_ok(font) else "..."
+
+
+def _clean(text: Any, font) -> str:
+    text = " ".join(str(text).split())  # newlines and tabs: one space
+    if not _unicode_ok(font):  # the bitmap font covers Latin-1 only
+        text = text.encode("latin-1", "replace").decode("latin-1")
+    return text
+
+
+def text_width(text: str, font) -> float:
+    return font.getlength(text)
+
+
+def line_height(font) -> int:
+    box = font.getbbox("Ágjy|")
+    return int(box[3] - min(0, box[1])) + 3
+
+
+def truncate(text: str, width: float, font) -> str:
+    """``text`` cut to fit ``width`` pixels, with an ellipsis when cut."""
+    if text_width(text, font) <= width:
+        return text
+    ell = _ellipsis(font)
+    while text and text_width(text.rstrip() + ell, font) > width:
+        text = text[:-1]
+    return text.rstrip() + ell if text else ""
+
+
+def wrap_text(text: Any, width: float, font, max_lines: int | None = None) -> list[str]:
+    """Greedy word wrap of ``text`` into lines of at most ``width`` pixels (a word wider than a line is broken);
+    with ``max_lines``, the last kept line ends in an ellipsis when text was left out."""
+    words = _clean(text, font).split(" ")
+    lines: list[str] = []
+    current = ""
+    for word in words:
+        if not word:
+            continue
+        candidate = f"{current} {word}" if current else word
+        if text_width(candidate, font) <= width:
+            current = candidate
+            continue
+        if current:
+            lines.append(current)
+        while text_width(word, font) > width and len(word) > 1:
+            k = len(word) - 1
+            while k > 1 and text_width(word[:k], font) > width:
+                k -= 1
+            lines.append(word[:k])
+            word = word[k:]
+        current = word
+    if current:
+        lines.append(current)
+    if max_lines is not None and len(lines) > max_lines:
+        lines = lines[: max(0, max_lines)]
+        if lines:
+            ell = _ellipsis(font)
+            last = lines[-1]
+            while last and text_width(last.rstrip() + ell, font) > width:
+                last = last[:-1]
+            lines[-1] = last.rstrip() + ell
+    return lines
+
+
+def format_score(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{float(value):.3g}"
+
+
+def score_items(scores: Scores | None) -> list[str]:
+    """``["brightness 0.47", "jpeg -1.56"]`` for ``{"brightness": 0.47, "jpeg": -1.56}`` (``n/a`` for ``None``)."""
+    return [f"{name} {format_score(value)}" for name, value in (scores or {}).items()]
+
+
+def score_lines(scores: Scores | None, width: float, font) -> list[str]:
+    """The scores packed into lines of at most ``width`` pixels, joined by `` · `` (a reward name too long for a
+    line is cut, its value kept)."""
+    sep = " · " if _unicode_ok(font) else " | "
+    lines: list[str] = []
+    current = ""
+    for name, value in (scores or {}).items():
+        number = " " + format_score(value)
+        item = truncate(_clean(name, font), max(0.0, width - text_width(number, font)), font) + number
+        candidate = f"{current}{sep}{item}" if current else item
+        if current and text_width(candidate, font) > width:
+            lines.append(current)
+            current = item
+        else:
+            current = candidate
+    if current:
+        lines.append(current)
+    return lines
+
+
+def draw_lines(draw: ImageDraw.ImageDraw, xy: tuple[int, int], lines: Sequence[str], font, fill) -> list[str]:
+    """Draw ``lines`` one under the other from ``xy``; returns the strings drawn."""
+    x, y = xy
+    step = line_height(font)
+    for k, line in enumerate(lines):
+        draw.text((x, y + k * step), line, fill=fill, font=font)
+    return list(lines)
+
+
+# ---------------------------------------------------------------------------------------------- sheets
 def image_grid(images: torch.Tensor, columns: int) -> Image.Image:
-    """Tile ``[N, 3, H, W]`` images in ``[0, 1]`` into a grid with ``columns`` columns."""
+    """Tile ``[N, 3, H, W]`` images in ``[0, 1]`` into a grid with ``columns`` columns (no captions)."""
     pils = to_pil(images)
     w, h = pils[0].size
     rows = (len(pils) + columns - 1) // columns
@@ -21,21 +169,207 @@ def image_grid(images: torch.Tensor, columns: int) -> Image.Image:
     return grid
 
 
-def save_before_after(
-    before: torch.Tensor, after: torch.Tensor, columns: int, path: str | Path, scale: int = 1
-) -> Path:
-    """Save a labelled sheet: the ``before`` grid above the ``after`` grid (same prompts and seeds)."""
-    top, bottom = image_grid(before, columns), image_grid(after, columns)
-    if scale > 1:
-        top = top.resize((top.width * scale, top.height * scale), Image.NEAREST)
-        bottom = bottom.resize((bottom.width * scale, bottom.height * scale), Image.NEAREST)
-    label = 14
-    sheet = Image.new("RGB", (top.width, top.height + bottom.height + 2 * label), "white")
+def _as_pils(images) -> list[Image.Image]:
+    if isinstance(images, torch.Tensor):
+        return to_pil(images)
+    return [im.convert("RGB") for im in images]
+
+
+def captioned_grid(
+    images: torch.Tensor | Sequence[Image.Image],
+    columns: int,
+    *,
+    captions: Sequence[str | None] | None = None,
+    scores: Sequence[Scores | None] | None = None,
+    headers: Sequence[str] | None = None,
+    row_labels: Sequence[Sequence[str] | str] | None = None,
+    title: str | None = None,
+    scale: int | None = None,
+    min_cell: int = MIN_CELL,
+    max_cell: int | None = None,
+    prompt_lines: int = PROMPT_LINES,
+) -> Image.Image:
+    """A grid of ``images`` (a ``[N, 3, H, W]`` tensor in ``[0, 1]`` or PIL images), ``columns`` per row, each
+    with its caption (a prompt, wrapped to ``prompt_lines`` lines) and its scores (``{reward: value}``) under it.
+
+    ``headers`` name the columns (a band on top), ``row_labels`` the rows (a column on the left: a string is
+    wrapped, a list of strings is one paragraph each), ``title`` the whole sheet. Images are scaled by ``scale``,
+    else up by an integer factor (nearest neighbour) to at least ``min_cell`` pixels wide, and down to at most
+    ``max_cell``. ``image.info["captions"]`` lists every string drawn; ``image.info["layout"]`` the cell geometry.
+    """
+    pils = _as_pils(images)
+    if not pils:
+        raise ValueError("captioned_grid needs at least one image.")
+    n = len(pils)
+    columns = max(1, min(int(columns), n))
+    rows = math.ceil(n / columns)
+    w = max(im.width for im in pils)
+    h = max(im.height for im in pils)
+    if scale is None:
+        factor = float(max(1, min_cell // max(1, w)))
+        if max_cell is not None and w * factor > max_cell:
+            factor = max_cell / w
+    else:
+        factor = float(max(1, scale))
+    img_w, img_h = max(1, round(w * factor)), max(1, round(h * factor))
+    if factor != 1.0:
+        method = Image.NEAREST if factor > 1 else Image.LANCZOS
+        pils = [
+            im.resize((max(1, round(im.width * factor)), max(1, round(im.height * factor))), method) for im in pils
+        ]
+    cell_w = max(img_w, min_cell)
+    font = caption_font(max(FONT_SIZE, cell_w // 48))
+    lh = line_height(font)
+    text_w = cell_w - 2 * PAD
+
+    cap = [wrap_text(c, text_w, font, prompt_lines) if c else [] for c in (captions or [None] * n)]
+    sco = [score_lines(s, text_w, font) for s in (scores or [None] * n)]
+    band_lines = max(len(c) + len(s) for c, s in zip(cap, sco))
+    band = band_lines * lh + PAD if band_lines else 0
+    col_pitch, row_pitch = cell_w + GAP, img_h + band + GAP
+    label_w = LABEL_WIDTH if row_labels else 0
+    width = label_w + columns * col_pitch - GAP
+    heads = [wrap_text(hd, text_w, font, HEADER_LINES) for hd in headers] if headers else []
+    header_h = max(len(x) for x in heads) * lh + PAD if heads else 0
+    titles = wrap_text(title, width - 2 * PAD, font, 2) if title else []
+    title_h = len(titles) * lh + PAD if titles else 0
+    height = title_h + header_h + rows * row_pitch - GAP
+
+    sheet = Image.new("RGB", (width, height), BACKGROUND)
     draw = ImageDraw.Draw(sheet)
-    draw.text((2, 1), "before", fill="black")
-    sheet.paste(top, (0, label))
-    draw.text((2, top.height + label + 1), "after", fill="black")
-    sheet.paste(bottom, (0, top.height + 2 * label))
+    drawn: list[str] = []
+    if titles:
+        draw.rectangle((0, 0, width, title_h - 1), fill=TITLE_BAND)
+        drawn += draw_lines(draw, (PAD, PAD // 2), titles, font, TEXT)
+    for c, lines in enumerate(heads):
+        drawn += draw_lines(draw, (label_w + c * col_pitch + PAD, title_h + PAD // 2), lines, font, TEXT)
+    top = title_h + header_h
+    for r in range(rows if row_labels else 0):
+        if r >= len(row_labels):
+            break
+        label = row_labels[r]
+        paragraphs = [label] if isinstance(label, str) else list(label)
+        budget = max(1, (row_pitch - GAP - PAD) // lh)
+        lines: list[str] = []
+        for k, para in enumerate(paragraphs):
+            left = budget - len(lines) - (len(paragraphs) - k - 1)  # keep a line for each later paragraph
+            lines += wrap_text(para, label_w - 2 * PAD, font, max(1, left))
+        drawn += draw_lines(draw, (PAD, top + r * row_pitch + PAD // 2), lines[:budget], font, TEXT)
+    for k, im in enumerate(pils):
+        r, c = divmod(k, columns)
+        x0, y0 = label_w + c * col_pitch, top + r * row_pitch
+        sheet.paste(im, (x0 + (cell_w - im.width) // 2, y0))
+        y = y0 + img_h + PAD // 2
+        drawn += draw_lines(draw, (x0 + PAD, y), cap[k], font, TEXT)
+        drawn += draw_lines(draw, (x0 + PAD, y + len(cap[k]) * lh), sco[k], font, SCORE_TEXT)
+    sheet.info["captions"] = drawn
+    sheet.info["layout"] = {
+        "rows": rows,
+        "columns": columns,
+        "cell": (cell_w, img_h + band),
+        "image": (img_w, img_h),
+        "label_width": label_w,
+        "top": top,
+        "gap": GAP,
+    }
+    return sheet
+
+
+def stack_sheets(sheets: Sequence[Image.Image]) -> Image.Image:
+    """``sheets`` one under the other (left-aligned, a gap between), their captions concatenated."""
+    width = max(s.width for s in sheets)
+    height = sum(s.height for s in sheets) + 3 * GAP * (len(sheets) - 1)
+    out = Image.new("RGB", (width, height), BACKGROUND)
+    y = 0
+    for s in sheets:
+        out.paste(s, (0, y))
+        y += s.height + 3 * GAP
+    out.info["captions"] = [line for s in sheets for line in s.info.get("captions", [])]
+    return out
+
+
+def mean_scores(scores: Sequence[Scores | None]) -> dict[str, float | None]:
+    """Each reward's mean over ``scores`` (``None`` and NaN skipped; ``None`` when it applies to none)."""
+    names: dict[str, None] = {}
+    for s in scores:
+        names.update(dict.fromkeys(s or {}))
+    out: dict[str, float | None] = {}
+    for name in names:
+        xs = [float(v) for s in scores if s and (v := s.get(name)) is not None and not math.isnan(float(v))]
+        out[name] = sum(xs) / len(xs) if xs else None
+    return out
+
+
+def score_images(
+    reward_funcs: Sequence[Any],
+    names: Sequence[str],
+    prompts: list[str],
+    images: torch.Tensor,
+    columns: dict[str, list[Any]] | None = None,
+) -> list[dict[str, float | None]] | None:
+    """Per-image ``{reward: score}`` (``None``: not applicable) for captions; ``None`` (with a warning) when a
+    reward fails: a caption is not worth failing a finished run for."""
+    from .rewards import score_rewards
+
+    try:
+        values = score_rewards(list(reward_funcs), prompts, images, columns or {}, list(names))
+    except Exception as err:  # noqa: BLE001 - the sheet is drawn without scores
+        logger.warning("Sample sheet drawn without scores: scoring its images failed (%s).", err)
+        return None
+    return [
+        {n: (None if math.isnan(v) else v) for n, v in zip(names, values[:, j].tolist())} for j in range(len(prompts))
+    ]
+
+
+def save_before_after(
+    before: torch.Tensor,
+    after: torch.Tensor,
+    columns: int,
+    path: str | Path,
+    scale: int | None = None,
+    *,
+    prompts: Sequence[str] | None = None,
+    before_scores: Sequence[Scores | None] | None = None,
+    after_scores: Sequence[Scores | None] | None = None,
+) -> Path:
+    """Save the before/after sheet: the ``before`` grid (LoRA off) above the ``after`` grid (same prompts and
+    seeds), ``columns`` images per row. With ``prompts`` (one per column), each image is captioned with its prompt;
+    with ``before_scores`` / ``after_scores`` (one ``{reward: score}`` per image), with its scores, and each half's
+    title gives the mean scores."""
+    n = len(before)
+    captions = [prompts[k % columns] for k in range(n)] if prompts else None
+
+    def title(name: str, scores) -> str:
+        if not scores:
+            return name
+        return f"{name}, mean: " + " · ".join(score_items(mean_scores(scores)))
+
+    sheets = [
+        captioned_grid(images, columns, captions=captions, scores=scores, title=title(name, scores), scale=scale)
+        for name, images, scores in (
+            ("before training (LoRA off)", before, before_scores),
+            ("after training", after, after_scores),
+        )
+    ]
+    sheet = stack_sheets(sheets)
     path = Path(path)
     sheet.save(path)
     return path
+
+
+def comparison_sheet(
+    models: Sequence[str],
+    images: Sequence[Sequence[Image.Image | str | Path]],
+    row_labels: Sequence[Sequence[str] | str],
+    scores: Sequence[Sequence[Scores | None]] | None = None,
+    *,
+    max_cell: int | None = 512,
+) -> Image.Image:
+    """Models side by side: ``images[r][m]`` (a PIL image or a file) is row ``r``'s image from ``models[m]``;
+    columns are headed by the model names, rows labelled by ``row_labels``, each image captioned by
+    ``scores[r][m]``."""
+    tiles = [im if isinstance(im, Image.Image) else Image.open(im) for row in images for im in row]
+    flat = [s for row in scores for s in row] if scores is not None else None
+    return captioned_grid(
+        tiles, len(models), scores=flat, headers=list(models), row_labels=list(row_labels), max_cell=max_cell
+    )

@@ -7,15 +7,18 @@ import csv
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from PIL import Image
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
 from marble_trl.cli import main
 from marble_trl.evaluation import generate_eval_images, sample_seed, summarize_scores
 from marble_trl.lora import TRAIN_ADAPTER, lora_parameters
 from marble_trl.rollout import make_scheduler
+from marble_trl.samples import GAP, LABEL_WIDTH, MIN_CELL, PAD, caption_font, line_height
 
 TRAIN = Dataset.from_dict({"prompt": ["a red apple", "a blue car", "a green frog", "a white cat"]})
 EVAL = Dataset.from_dict({"prompt": ["a boat on a lake", "a tree", "a red apple"], "source": ["a", "b", "b"]})
@@ -43,6 +46,11 @@ def args_for(output_dir, **overrides) -> MarbleDiffusionNFTConfig:
     )  # fmt: skip
     kwargs.update(overrides)
     return MarbleDiffusionNFTConfig(**kwargs)
+
+
+def caption_drawn(image, box) -> bool:
+    """Some dark pixel in ``box`` of a white caption band: text was drawn there."""
+    return np.asarray(image.crop(box).convert("L")).min() < 128
 
 
 def lora_state(trainer) -> dict[str, torch.Tensor]:
@@ -93,6 +101,10 @@ def test_evaluate_is_deterministic_uses_held_out_rewards_and_saves_a_grid(tmp_pa
     trainer.args.eval_seed = 1
     assert trainer.evaluate()["eval_rewards/brightness/mean"] != pytest.approx(first["eval_rewards/brightness/mean"])
     assert (tmp_path / "eval" / "step-0.png").is_file()
+    grid = Image.open(tmp_path / "eval" / "step-0.png")  # 3 prompts x 2 images, 16 px shown at 128 px, captioned
+    assert grid.width == 2 * (MIN_CELL + GAP) - GAP and (grid.height + GAP) % 3 == 0
+    assert (grid.height + GAP) // 3 > MIN_CELL + 3 * line_height(caption_font())  # prompt + score lines
+    assert caption_drawn(grid, (0, MIN_CELL, MIN_CELL, (grid.height + GAP) // 3 - GAP))
     logged = [r for r in trainer.state.log_history if "eval_rewards/brightness/mean" in r]
     assert len(logged) == 3
     named = trainer.evaluate({"held": EVAL.select([0])})
@@ -203,7 +215,24 @@ def test_evaluate_command_scores_base_and_lora_and_resumes(tmp_path, lora_dir, m
         assert sorted((x["prompt_index"], x["image_index"]) for x in lines) == [
             (p, i) for p in range(3) for i in (0, 1)
         ]
-        assert (out / model / "grid.png").is_file()
+        grid = Image.open(out / model / "grid.png")  # 2 prompts x 2 images, 16 px shown at 128 px, captioned
+        assert grid.width == 2 * (MIN_CELL + GAP) - GAP and (grid.height + GAP) % 2 == 0
+        assert caption_drawn(grid, (0, MIN_CELL, MIN_CELL, (grid.height + GAP) // 2 - GAP))
+    # comparison.png: one column per model, one row per (prompt, image), headed by the model names
+    sheet = Image.open(out / "comparison.png")
+    top = line_height(caption_font()) + PAD  # one line of headers
+    assert sheet.width == LABEL_WIDTH + 2 * (MIN_CELL + GAP) - GAP
+    assert (sheet.height - top + GAP) % 4 == 0 and (sheet.height - top + GAP) // 4 > MIN_CELL + GAP
+    assert caption_drawn(sheet, (LABEL_WIDTH, 0, sheet.width, top))  # model names
+    assert caption_drawn(sheet, (0, top, LABEL_WIDTH, top + MIN_CELL))  # the first row's prompt and seed
+    assert caption_drawn(sheet, (LABEL_WIDTH, top + MIN_CELL, sheet.width, top + MIN_CELL + PAD + 12))  # scores
+    try:
+        import matplotlib  # noqa: F401
+
+        chart = Image.open(out / "rewards.png")
+        assert chart.width > chart.height > 100
+    except ImportError:
+        assert not (out / "rewards.png").exists()
 
     # resume: drop one row, rerun; only that (prompt, image) is generated again
     scores = out / "run-a" / "scores.jsonl"
