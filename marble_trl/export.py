@@ -1,10 +1,11 @@
 """Checkpoint -> publishable LoRA folder, and images from a base model plus a LoRA.
 
-:func:`export_checkpoint` turns a ``checkpoint-N`` folder into a folder ready for the Hub: the LoRA (raw or parameter
-EMA weights) in diffusers format (``pytorch_lora_weights.safetensors`` with adapter metadata, loads with
+:func:`export_checkpoint` turns a run folder (a ``checkpoint-N`` folder, or the final ``output_dir`` of a run) into a
+folder ready for the Hub, atomically: the LoRA (raw weights, or the parameter EMA of a checkpoint) in diffusers format
+(``pytorch_lora_weights.safetensors`` with adapter metadata, loads with
 ``StableDiffusion3Pipeline.load_lora_weights``) or PEFT format (``adapter_model.safetensors`` + ``adapter_config.json``,
 loads with ``peft.PeftModel.from_pretrained(pipe.transformer, folder)``), ``marble_trl.json`` (base model and sampling
-settings), optional sample images, and the model card (``README.md``).
+settings, the tiny model's seed), optional sample images, and the model card (``README.md``).
 
 :func:`generate_images` loads the base pipeline and the LoRA with diffusers' own ``load_lora_weights`` and runs the
 pipeline with the training-time sampler settings, so it reproduces ``trainer.generate``.
@@ -15,16 +16,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoint import read_manifest
+from .checkpoint import MANIFEST_FILE, read_manifest
 from .hub import (
     EXPORT_CONFIG_FILE,
+    SAMPLES_DIR,
     card_info_from_checkpoint,
+    read_export_config,
     save_samples,
     write_export_config,
     write_model_card,
@@ -96,17 +100,20 @@ def generate_images(
     scheduler: str | None = None,
     max_sequence_length: int | None = None,
     weight_name: str | None = None,
-    tiny_seed: int = 0,
+    tiny_seed: int | None = None,
     torch_dtype: torch.dtype | None = None,
     device: str | None = None,
 ) -> torch.Tensor:
     """Images ``[N, 3, H, W]`` in ``[0, 1]``: ``model`` (``"tiny"``, a folder or a Hub id) plus the diffusers LoRA in
     ``lora`` (``load_lora_weights``). Unset settings come from the LoRA folder's ``marble_trl.json`` (the training
-    sampler), else the pipeline's defaults; one generator seeded with ``seed`` for the whole batch."""
+    sampler), else the pipeline's defaults; one generator seeded with ``seed`` for the whole batch. ``tiny_seed``
+    (model ``"tiny"``) defaults to the seed the LoRA folder records, else 0."""
     from .models import load_sd3_pipeline
     from .rollout import make_scheduler
 
     settings = read_sampling_settings(lora)
+    if tiny_seed is None:
+        tiny_seed = int((read_export_config(lora) if lora is not None else {}).get("tiny_seed") or 0)
     steps = num_inference_steps or settings.get("num_inference_steps") or 28
     guidance = guidance_scale if guidance_scale is not None else settings.get("guidance_scale", 1.0)
     resolution = resolution or settings.get("resolution")
@@ -172,6 +179,42 @@ def generate_to_folder(model: str, prompts: list[str], output: str | os.PathLike
 
 
 # -------------------------------------------------------------------------------------------------- export
+# What an export folder holds: the only entries `overwrite` may replace.
+EXPORT_ENTRIES = {DIFFUSERS_WEIGHTS, PEFT_WEIGHTS, "adapter_config.json", EXPORT_CONFIG_FILE, "README.md", SAMPLES_DIR}
+
+
+def read_run_folder(folder: str | os.PathLike, ema: bool = False) -> dict[str, Any]:
+    """The LoRA file to export from ``folder`` and what the folder records about it.
+
+    ``folder`` is a ``checkpoint-N`` folder (its manifest names the files, the parameter EMA included) or any folder
+    with the trained LoRA and a ``marble_trl.json``: a run's final ``output_dir``, an export folder.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{str(folder)!r} does not exist.")
+    config = read_export_config(folder)
+    if (folder / MANIFEST_FILE).is_file() or not config:
+        if not config and not (folder / MANIFEST_FILE).is_file() and (folder / DIFFUSERS_WEIGHTS).is_file():
+            raise ValueError(
+                f"{folder} has {DIFFUSERS_WEIGHTS} but neither {MANIFEST_FILE} (a checkpoint) nor {EXPORT_CONFIG_FILE} "
+                "(a run's output_dir): it was not written by marble_trl."
+            )
+        manifest = read_manifest(folder)  # the clear error for other folders (tmp-checkpoint-N, ...)
+        files = manifest["files"]
+        if ema and not files.get("param_ema"):
+            raise ValueError(f"{folder} has no parameter EMA: the run used param_ema=False.")
+        return {"kind": "checkpoint", "lora": folder / (files["param_ema"] if ema else files["lora"])}
+    if ema:
+        raise ValueError(
+            f"{folder} is a run's output folder, which holds only the trained LoRA: the parameter EMA is saved in "
+            "checkpoints. Export --ema from a checkpoint-N folder (a run with param_ema=True and save_strategy "
+            "'steps' or 'epoch')."
+        )
+    if not (folder / DIFFUSERS_WEIGHTS).is_file():
+        raise ValueError(f"{folder} has {EXPORT_CONFIG_FILE} but no {DIFFUSERS_WEIGHTS} (the diffusers-format LoRA).")
+    return {"kind": "run", "lora": folder / DIFFUSERS_WEIGHTS}
+
+
 def export_checkpoint(
     checkpoint: str | os.PathLike,
     output: str | os.PathLike,
@@ -181,50 +224,100 @@ def export_checkpoint(
     base_model: str | None = None,
     sample_prompts: list[str] | None = None,
     model: str | None = None,
-    tiny_seed: int = 0,
+    tiny_seed: int | None = None,
     seed: int = 0,
     repo_id: str | None = None,
     license: str | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write a publishable LoRA folder from ``checkpoint`` (a ``checkpoint-N`` folder). Returns ``output``.
+    """Write a publishable LoRA folder from a run folder ``checkpoint`` (a ``checkpoint-N`` folder or a run's final
+    ``output_dir``). Returns ``output``.
 
-    ``ema`` exports the parameter EMA instead of the trained weights. ``sample_prompts`` renders sample images with
-    ``model`` (default: the checkpoint's base model) plus the exported LoRA, through ``load_lora_weights``.
+    ``ema`` exports the parameter EMA instead of the trained weights (checkpoints only). ``sample_prompts`` renders
+    sample images with ``model`` (default: the run's base model; ``tiny`` with its recorded seed unless
+    ``tiny_seed`` is given) plus the exported LoRA, through ``load_lora_weights``.
+
+    The folder is written next to ``output`` under a temporary name and renamed at the end: when anything fails
+    (say, rendering the samples) no partial ``output`` is left, and an ``output`` being replaced (``overwrite``) is
+    kept as it was.
     """
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}.")
-    checkpoint, output = Path(checkpoint), Path(output)
-    manifest = read_manifest(checkpoint)
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise FileExistsError(f"{output} exists and is not empty (pass overwrite=True / --overwrite).")
-    files = manifest["files"]
-    if ema and not files.get("param_ema"):
-        raise ValueError(f"{checkpoint} has no parameter EMA: the run used param_ema=False.")
-    tensors, lora_config = read_lora_file(checkpoint / (files["param_ema"] if ema else files["lora"]))
-    base = base_model or manifest.get("base_model")
-    output.mkdir(parents=True, exist_ok=True)
-    for stale in (DIFFUSERS_WEIGHTS, PEFT_WEIGHTS, "adapter_config.json"):
-        (output / stale).unlink(missing_ok=True)
-    if fmt == "diffusers":
-        write_diffusers_lora(output, tensors, lora_config)
-    else:
-        write_peft_lora(output, tensors, lora_config, base)
+    source, output = Path(checkpoint), Path(output)
+    found = read_run_folder(source, ema=ema)
+    _check_output(source, output, overwrite)
     info = card_info_from_checkpoint(
-        checkpoint, base_model=base, weights="ema" if ema else "raw", lora_format=fmt, repo_id=repo_id, license=license
+        source, base_model=base_model, lora_format=fmt, repo_id=repo_id, license=license, tiny_seed=tiny_seed
     )
-    write_export_config(output, info, source=str(checkpoint.resolve()))
-    if sample_prompts:
-        model = model or base
-        if model is None:
-            raise ValueError("Sample images need the base model: pass model= / --model.")
-        with tempfile.TemporaryDirectory() as tmp:
-            lora_dir = output
-            if fmt == "peft":  # render through diffusers' loader all the same
-                lora_dir = Path(tmp)
-                write_diffusers_lora(lora_dir, tensors, lora_config)
-                write_export_config(lora_dir, info)
-            images = generate_images(model, list(sample_prompts), lora_dir, seed=seed, tiny_seed=tiny_seed)
-        info.samples = save_samples(images, list(sample_prompts), output)
-    write_model_card(info, output)
+    if found["kind"] == "checkpoint":
+        info.weights = "ema" if ema else "raw"
+    base = info.base_model
+    render_model = model or base
+    if sample_prompts and render_model is None:
+        raise ValueError(
+            f"Sample images need the base model, and {source} records none: pass --model (or --base_model)."
+        )
+    tensors, lora_config = read_lora_file(found["lora"])
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.export-", dir=output.parent))
+    try:
+        if fmt == "diffusers":
+            write_diffusers_lora(staging, tensors, lora_config)
+        else:
+            write_peft_lora(staging, tensors, lora_config, base)
+        write_export_config(staging, info, source=str(source.resolve()))
+        if sample_prompts:
+            with tempfile.TemporaryDirectory() as tmp:
+                lora_dir = staging
+                if fmt == "peft":  # render through diffusers' loader all the same
+                    lora_dir = Path(tmp)
+                    write_diffusers_lora(lora_dir, tensors, lora_config)
+                    write_export_config(lora_dir, info)
+                images = generate_images(
+                    render_model, list(sample_prompts), lora_dir, seed=seed, tiny_seed=info.tiny_seed or 0
+                )
+            info.samples = save_samples(images, list(sample_prompts), staging)
+        write_model_card(info, staging)
+        _replace(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return output
+
+
+def _check_output(source: Path, output: Path, overwrite: bool) -> None:
+    """``output`` may be new or empty; with ``overwrite``, a previous export (nothing but export files)."""
+    if not output.exists():
+        return
+    if not output.is_dir():
+        raise FileExistsError(f"{output} exists and is not a folder.")
+    entries = {p.name for p in output.iterdir()}
+    if not entries:
+        return
+    if not overwrite:
+        raise FileExistsError(f"{output} exists and is not empty (pass overwrite=True / --overwrite to replace it).")
+    resolved = output.resolve()
+    if resolved == source.resolve() or resolved in source.resolve().parents:
+        raise ValueError(f"--output {output} holds the folder being exported ({source}); choose another folder.")
+    others = sorted(entries - EXPORT_ENTRIES)
+    if others:
+        raise FileExistsError(
+            f"{output} holds files an export does not write ({', '.join(others[:5])}): --overwrite replaces only a "
+            "previous export folder. Choose another --output."
+        )
+
+
+def _replace(staging: Path, output: Path) -> None:
+    """Rename the finished ``staging`` folder to ``output`` (a previous ``output`` is removed only afterwards)."""
+    old = None
+    if output.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+        old.rmdir()
+        os.replace(output, old)
+    try:
+        os.replace(staging, output)
+    except BaseException:
+        if old is not None:
+            os.replace(old, output)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

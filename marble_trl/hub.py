@@ -4,8 +4,9 @@ The card is a diffusers LoRA card (``library_name: diffusers``, ``base_model``, 
 ``text-to-image``, ``trl``, ``marble``) with real values from the run: the rewards with their first and final logged
 means, the MARBLE coefficient trajectory, the training configuration, sample images, a ``load_lora_weights`` usage
 snippet and the citations. It is rendered from a :class:`CardInfo`, built either from a live trainer
-(:func:`card_info_from_trainer`) or from a checkpoint folder (:func:`card_info_from_checkpoint`), so
-``trainer.push_to_hub()`` and ``marble-trl export`` write the same card.
+(:func:`card_info_from_trainer`) or from a run folder (:func:`card_info_from_checkpoint`: a ``checkpoint-N`` folder,
+or a run's final ``output_dir`` through its ``marble_trl.json``), so ``trainer.push_to_hub()`` and ``marble-trl
+export`` write the same card.
 
 Every Hub call goes through :func:`hub_api` (``huggingface_hub.HfApi``; the endpoint is ``HF_ENDPOINT`` unless given).
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import BALANCER_FILE, LORA_FILE, base_model_name, read_manifest
+from .checkpoint import BALANCER_FILE, LORA_FILE, MANIFEST_FILE, base_model_name, read_manifest
 
 if TYPE_CHECKING:
     from .nft_trainer import MarbleDiffusionNFTTrainer
@@ -83,6 +84,8 @@ CARD_CONFIG_FIELDS = [
     "fp16",
     "seed",
 ]
+# Training arguments kept in marble_trl.json (what the card and `generate` need from a run's final output_dir).
+EXPORT_CONFIG_FIELDS = [*CARD_CONFIG_FIELDS, "max_sequence_length"]
 
 
 @dataclass
@@ -105,6 +108,7 @@ class CardInfo:
     license: str | None = None
     dataset_name: str | None = None
     tags: list[str] = field(default_factory=list)
+    tiny_seed: int | None = None  # the seed of the tiny model (base_model "tiny"), which rebuilds it
 
 
 # ------------------------------------------------------------------------------------------------- building CardInfo
@@ -120,26 +124,62 @@ def card_info_from_trainer(trainer: MarbleDiffusionNFTTrainer, **overrides) -> C
         balancer_state=trainer.balancer.state_dict() if trainer.balancer is not None else None,
         repo_id=trainer.hub_model_id or trainer.args.hub_model_id,
     )
+    if info.base_model == "tiny":
+        from .models import tiny_seed_of
+
+        info.tiny_seed = tiny_seed_of(trainer.pipeline)
     return _override(info, overrides)
+
+
+def read_export_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """A folder's ``marble_trl.json`` (``{}`` when it has none)."""
+    path = Path(folder) / EXPORT_CONFIG_FILE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
 
 def card_info_from_checkpoint(folder: str | os.PathLike, **overrides) -> CardInfo:
+    """The card of a run folder: a ``checkpoint-N`` folder (its manifest), else a folder with a ``marble_trl.json``
+    (a run's final ``output_dir``, an export folder); the log history is ``trainer_state.json`` or ``metrics.jsonl``."""
     folder = Path(folder)
-    manifest = read_manifest(folder)
-    state_file = folder / "trainer_state.json"
-    log_history = json.loads(state_file.read_text(encoding="utf-8"))["log_history"] if state_file.is_file() else []
-    balancer = manifest["files"].get("balancer") or (BALANCER_FILE if (folder / BALANCER_FILE).is_file() else None)
-    info = CardInfo(
-        base_model=manifest.get("base_model"),
-        reward_names=list(manifest["reward_names"]),
-        reward_weights=list(manifest["reward_weights"]),
-        aggregation=manifest["aggregation"],
-        global_step=int(manifest["global_step"]),
-        training_args=manifest.get("training_args", {}),
-        log_history=log_history,
-        balancer_state=json.loads((folder / balancer).read_text(encoding="utf-8")) if balancer else None,
-    )
+    config = read_export_config(folder)
+    if (folder / MANIFEST_FILE).is_file() or not config:
+        manifest = read_manifest(folder)
+        balancer = manifest["files"].get("balancer") or (BALANCER_FILE if (folder / BALANCER_FILE).is_file() else None)
+        info = CardInfo(
+            base_model=manifest.get("base_model"),
+            reward_names=list(manifest["reward_names"]),
+            reward_weights=list(manifest["reward_weights"]),
+            aggregation=manifest["aggregation"],
+            global_step=int(manifest["global_step"]),
+            training_args=manifest.get("training_args", {}),
+            log_history=_log_history(folder),
+            balancer_state=json.loads((folder / balancer).read_text(encoding="utf-8")) if balancer else None,
+        )
+    else:
+        names = list(config.get("reward_names") or [])
+        args = config.get("training_args") or {}
+        info = CardInfo(
+            base_model=config.get("base_model"),
+            reward_names=names,
+            reward_weights=list(config.get("reward_weights") or [1.0] * len(names)),
+            aggregation=config.get("aggregation") or args.get("multi_objective_aggregation") or "unknown",
+            global_step=int(config.get("global_step") or 0),
+            training_args=args,
+            log_history=_log_history(folder),
+            weights=config.get("weights") or "raw",
+        )
+    if info.base_model == "tiny":
+        info.tiny_seed = int(config.get("tiny_seed") or 0)
     return _override(info, overrides)
+
+
+def _log_history(folder: Path) -> list[dict[str, Any]]:
+    state_file, metrics = folder / "trainer_state.json", folder / "metrics.jsonl"
+    if state_file.is_file():
+        return json.loads(state_file.read_text(encoding="utf-8"))["log_history"]
+    if metrics.is_file():  # written by `marble-trl train` next to the final LoRA
+        return [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return []
 
 
 def _override(info: CardInfo, overrides: dict[str, Any]) -> CardInfo:
@@ -257,7 +297,7 @@ def _usage_snippet(info: CardInfo) -> str:
     if base == "tiny":
         load = (
             "from marble_trl import build_tiny_sd3_pipeline\n\n"
-            "pipe = build_tiny_sd3_pipeline(seed=0)  # the offline tiny model this LoRA was trained on"
+            f"pipe = build_tiny_sd3_pipeline(seed={info.tiny_seed or 0})  # the offline tiny model this LoRA was trained on"
         )
     else:
         load = (
@@ -272,6 +312,10 @@ def _usage_snippet(info: CardInfo) -> str:
     else:
         attach = f'pipe.load_lora_weights("{repo}")'
     return f"```python\n{load}\n{attach}\n{call}\n```"
+
+
+def _tiny_flag(info: CardInfo) -> str:
+    return f" --tiny_seed {info.tiny_seed}" if info.base_model == "tiny" and info.tiny_seed else ""
 
 
 def render_model_card(info: CardInfo) -> str:
@@ -311,7 +355,8 @@ def render_model_card(info: CardInfo) -> str:
         "## Usage",
         _usage_snippet(info),
         "The snippet uses the sampler settings of training (rollouts were CFG-free when `guidance_scale` is 1). "
-        f"With marble_trl installed: `marble-trl generate --model {info.base_model or '<base>'} --lora <this folder> "
+        f"With marble_trl installed: `marble-trl generate --model {info.base_model or '<base>'}{_tiny_flag(info)} "
+        "--lora <this folder> "
         '--prompts "a photo of a cat"` reads them from `marble_trl.json`.',
         "## Rewards",
     ]
@@ -396,16 +441,22 @@ def write_model_card(info: CardInfo, folder: str | os.PathLike) -> Path:
 
 
 def write_export_config(folder: str | os.PathLike, info: CardInfo, source: str | None = None) -> Path:
-    """``marble_trl.json``: base model, weights, format, step and the sampling settings (``generate``'s defaults)."""
+    """``marble_trl.json``: base model (and the tiny model's seed), weights, format, step, rewards, the sampling
+    settings (``generate``'s defaults) and the card's training settings: what ``marble-trl export`` needs to export a
+    run's final ``output_dir``, which has no checkpoint manifest."""
     path = Path(folder) / EXPORT_CONFIG_FILE
     config = {
         "base_model": info.base_model,
+        **({"tiny_seed": info.tiny_seed or 0} if info.base_model == "tiny" else {}),
         "weights": info.weights,
         "format": info.lora_format,
         "global_step": info.global_step,
         "reward_names": info.reward_names,
+        "reward_weights": info.reward_weights,
+        "aggregation": info.aggregation,
         "source": source,
         "sampling": sampling_settings(info.training_args),
+        "training_args": {k: info.training_args[k] for k in EXPORT_CONFIG_FIELDS if k in info.training_args},
     }
     path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return path

@@ -2,8 +2,14 @@
 
 ``build_tiny_sd3_pipeline`` assembles a complete :class:`diffusers.StableDiffusion3Pipeline` with random weights from a
 seed: a tiny SD3(.5) transformer, a tiny VAE, two tiny CLIP text encoders with tokenizers built from an in-memory
-character vocabulary, no T5. Nothing is downloaded. It saves with ``save_pretrained`` and loads back with
-``StableDiffusion3Pipeline.from_pretrained`` like any Hub checkpoint.
+character vocabulary, no T5 (the pipeline then uses zeros for the T5 part of the prompt embedding). Nothing is
+downloaded.
+
+``save_tiny_sd3_pipeline(folder, seed=0)`` writes it as a diffusers folder that loads with plain
+``StableDiffusion3Pipeline.from_pretrained(folder)``, like any Hub checkpoint: the saved pipeline carries a placeholder
+T5 (``text_encoder_3``, ``tokenizer_3``) whose output is exactly zero, so it generates the same images as the built one
+(diffusers' SD3 loader refuses a folder without T5 unless ``text_encoder_3=None, tokenizer_3=None`` are passed).
+``load_sd3_pipeline`` loads either kind of folder.
 """
 
 from __future__ import annotations
@@ -50,6 +56,31 @@ def _tiny_clip_tokenizer(max_length: int = 77):
     return tokenizer
 
 
+def _placeholder_t5(d_model: int):
+    """A one-layer T5 encoder whose output is exactly zero (its final RMS norm has zero weight) and a T5 tokenizer
+    over three special tokens (every word is ``<unk>``): the embeddings SD3 uses when it has no T5, as real
+    ``text_encoder_3`` / ``tokenizer_3`` components, so the saved folder has the standard SD3 layout."""
+    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+    config = T5Config(
+        vocab_size=3,
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    encoder = T5EncoderModel(config)
+    with torch.no_grad():
+        encoder.encoder.final_layer_norm.weight.zero_()
+    tokenizer = T5TokenizerFast(vocab=[("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)], extra_ids=0)
+    return encoder, tokenizer
+
+
 def build_tiny_sd3_pipeline(
     seed: int = 0,
     sd35: bool = True,
@@ -58,11 +89,14 @@ def build_tiny_sd3_pipeline(
     hidden_heads: int = 2,
     head_dim: int = 16,
     text_hidden: int = 16,
+    placeholder_t5: bool = False,
 ):
     """Build a tiny random-weight ``StableDiffusion3Pipeline`` (CPU, float32), deterministic from ``seed``.
 
     Images are ``2 * latent_size`` pixels square (the tiny VAE downsamples by 2); the transformer uses patch size 2.
-    ``sd35=True`` adds SD3.5's dual attention in the first layer and RMS qk-norm.
+    ``sd35=True`` adds SD3.5's dual attention in the first layer and RMS qk-norm. ``placeholder_t5=True`` adds a T5
+    whose output is exactly zero (the same images; what :func:`save_tiny_sd3_pipeline` saves so that plain
+    ``from_pretrained`` loads the folder); by default there is no T5.
     """
     from diffusers import (
         AutoencoderKL,
@@ -125,12 +159,14 @@ def build_tiny_sd3_pipeline(
             return CLIPTextModelWithProjection(cfg)
 
         text_encoder_1, text_encoder_2 = text_encoder(), text_encoder()
+        text_encoder_3, tokenizer_3 = _placeholder_t5(2 * text_hidden) if placeholder_t5 else (None, None)
     finally:
         torch.random.set_rng_state(generator_state)
-    for module in (transformer, vae, text_encoder_1, text_encoder_2):
-        module.eval()  # as from_pretrained returns them
+    for module in (transformer, vae, text_encoder_1, text_encoder_2, text_encoder_3):
+        if module is not None:
+            module.eval()  # as from_pretrained returns them
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
-    return StableDiffusion3Pipeline(
+    pipe = StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=scheduler,
         vae=vae,
@@ -138,16 +174,29 @@ def build_tiny_sd3_pipeline(
         tokenizer=_tiny_clip_tokenizer(),
         text_encoder_2=text_encoder_2,
         tokenizer_2=_tiny_clip_tokenizer(),
-        text_encoder_3=None,
-        tokenizer_3=None,
+        text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
     )
+    # The name the run records as its base model (manifest, marble_trl.json, model card), with the seed that
+    # rebuilds it: `marble-trl export --sample_prompts` and `generate` load it again from these two.
+    pipe.register_to_config(_name_or_path=TINY_MODEL_NAME)
+    pipe.tiny_seed = seed
+    return pipe
 
 
 def save_tiny_sd3_pipeline(path: str | os.PathLike, seed: int = 0, **kwargs) -> Path:
-    """Build the tiny pipeline and ``save_pretrained`` it to ``path`` (returns the path)."""
+    """Build the tiny pipeline (with the zero-output placeholder T5) and ``save_pretrained`` it to ``path``; returns
+    the path. The folder loads with plain ``StableDiffusion3Pipeline.from_pretrained(path)`` (or
+    ``load_sd3_pipeline(path)``) and generates the images of ``build_tiny_sd3_pipeline(seed)``."""
     path = Path(path)
+    kwargs.setdefault("placeholder_t5", True)
     build_tiny_sd3_pipeline(seed=seed, **kwargs).save_pretrained(path)
     return path
+
+
+def tiny_seed_of(pipeline) -> int | None:
+    """The seed of a pipeline built by :func:`build_tiny_sd3_pipeline` (``None`` for any other pipeline)."""
+    return getattr(pipeline, "tiny_seed", None) if getattr(pipeline, "name_or_path", None) == TINY_MODEL_NAME else None
 
 
 @zero3_init_disabled()  # frozen components must not be partitioned by ZeRO-3 (marble_trl.distributed)

@@ -1,10 +1,12 @@
-"""The `marble-trl train` command on the tiny recipe, and the LoRA it writes loading in plain diffusers."""
+"""The `marble-trl train` command on the tiny recipe, its help, exporting its output folder, and the LoRA it writes
+loading in plain diffusers."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from PIL import Image
 
@@ -15,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
 
 
-def test_train_command_runs_the_recipe(tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def recipe_run(tmp_path_factory) -> Path:
+    """`marble-trl train` on the tiny recipe (3 steps, save_strategy "no": no checkpoint), as the quickstart runs it."""
+    out = tmp_path_factory.mktemp("recipe") / "run"
     code = main(
         [
             "train",
@@ -33,6 +37,11 @@ def test_train_command_runs_the_recipe(tmp_path):
         ]
     )
     assert code == 0
+    return out
+
+
+def test_train_command_runs_the_recipe(recipe_run):
+    out = recipe_run
     assert (out / "pytorch_lora_weights.safetensors").is_file()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "rewards/brightness/mean" in r]
@@ -43,6 +52,91 @@ def test_train_command_runs_the_recipe(tmp_path):
     assert grid.width > 0 and grid.height > grid.width // 4
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["global_step"] == 3
+
+
+def test_train_help_lists_the_wrapper_flags(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    own = text.split("marble-trl train (the command's own flags):")[1].split("\noptions:")[0]
+    for flag in ("--config YAML", "--accelerate_config FILE", "--num_processes N"):
+        assert flag in own, flag
+    assert text.index("own flags):") < text.index("\noptions:")  # above the ~200 fields
+    batch = " ".join(text.split("--per-device-train-batch-size PER_DEVICE_TRAIN_BATCH_SIZE")[1].split())
+    assert batch.startswith("Images (not prompts) per micro-batch on each process"), batch[:120]
+    assert "batch size per device" not in batch.split("(default: 8)")[0]
+
+
+def test_export_from_the_final_output_dir(recipe_run, tmp_path, capsys):
+    """The quickstart's output folder (no checkpoint) exports; the base model is recorded as `tiny` with its seed, so
+    the sample images render without --model."""
+    from marble_trl.export import generate_images
+
+    recorded = json.loads((recipe_run / "marble_trl.json").read_text())
+    assert recorded["base_model"] == "tiny" and recorded["tiny_seed"] == 0  # the CLI passes a pipeline object
+    assert recorded["global_step"] == 3 and recorded["aggregation"] in ("marble", "auto")
+    out = tmp_path / "export"
+    prompts = ["a red apple on a table", "a boat on a calm lake"]
+    assert main(["export", "--checkpoint", str(recipe_run), "--output", str(out), "--sample_prompts", *prompts]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "marble_trl.json",
+        "pytorch_lora_weights.safetensors",
+        "samples",
+    ]
+    assert not [p for p in tmp_path.iterdir() if p.name != "export"]  # no staging folder left
+    config = json.loads((out / "marble_trl.json").read_text())
+    assert config["base_model"] == "tiny" and config["tiny_seed"] == 0 and config["global_step"] == 3
+    assert config["sampling"]["resolution"] == 32
+    card = (out / "README.md").read_text()
+    assert "A LoRA for `tiny`" in card and "unknown" not in card
+    assert "| `learning_rate` | 0.01 |" in card and "| optimizer steps | 3 |" in card
+    assert "| brightness | 1 |" in card  # the reward table from metrics.jsonl
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["000.png", "001.png"]
+    # the exported LoRA is the run's LoRA: same images as from the output folder itself
+    torch.testing.assert_close(
+        generate_images("tiny", prompts, out, seed=1), generate_images("tiny", prompts, recipe_run, seed=1)
+    )
+
+
+def test_export_failure_leaves_no_partial_folder(recipe_run, tmp_path, monkeypatch):
+    import marble_trl.export as export
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("rendering failed")
+
+    monkeypatch.setattr(export, "generate_images", broken)
+    out = tmp_path / "export"
+    with pytest.raises(RuntimeError, match="rendering failed"):
+        main(["export", "--checkpoint", str(recipe_run), "--output", str(out), "--sample_prompts", "a cat"])
+    assert list(tmp_path.iterdir()) == []  # neither --output nor the staging folder
+
+    # replacing a previous export: on failure the previous one stays as it was
+    monkeypatch.undo()
+    assert main(["export", "--checkpoint", str(recipe_run), "--output", str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr(export, "generate_images", broken)
+    with pytest.raises(RuntimeError, match="rendering failed"):
+        main(["export", "--checkpoint", str(recipe_run), "--output", str(out), "--overwrite", "--sample_prompts", "a"])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
+def test_export_refusals(recipe_run, tmp_path):
+    with pytest.raises(ValueError, match="parameter EMA is saved in checkpoints"):
+        main(["export", "--checkpoint", str(recipe_run), "--output", str(tmp_path / "ema"), "--ema"])
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        main(["export", "--checkpoint", str(recipe_run), "--output", str(other)])
+    with pytest.raises(FileExistsError, match="replaces only a previous export"):
+        main(["export", "--checkpoint", str(recipe_run), "--output", str(other), "--overwrite"])
+    assert (other / "todo.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match="holds the folder being exported"):
+        main(["export", "--checkpoint", str(recipe_run), "--output", str(recipe_run.parent), "--overwrite"])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_cli_overrides_yaml_and_rejects_unknown(tmp_path, capsys):

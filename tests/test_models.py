@@ -1,4 +1,4 @@
-"""The tiny offline SD3 pipeline: determinism, save/load round trip, and the loader's errors."""
+"""The tiny offline SD3 pipeline: determinism, save/load round trip (plain diffusers too), and the loader's errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
 
-from marble_trl.models import build_tiny_sd3_pipeline, load_sd3_pipeline, save_tiny_sd3_pipeline
+from marble_trl.models import build_tiny_sd3_pipeline, load_sd3_pipeline, save_tiny_sd3_pipeline, tiny_seed_of
 
 COMPONENTS = ("transformer", "vae", "text_encoder", "text_encoder_2")
 CALL = dict(num_inference_steps=2, height=32, width=32, max_sequence_length=8, output_type="pt", guidance_scale=1.0)
@@ -99,6 +99,36 @@ def test_save_tiny_sd3_pipeline_round_trip(tmp_path, tiny_pipeline):
     a, b = weights(load_sd3_pipeline(path)), weights(tiny_pipeline)
     for name in b:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_saved_tiny_folder_loads_with_plain_diffusers(tmp_path, tiny_pipeline):
+    """`StableDiffusion3Pipeline.from_pretrained(folder)`, no extra arguments: the saved folder has the standard SD3
+    layout (a placeholder T5 with exactly zero output), and it generates the built pipeline's images."""
+    path = save_tiny_sd3_pipeline(tmp_path / "tiny", seed=0)
+    plain = StableDiffusion3Pipeline.from_pretrained(path)
+    assert plain.text_encoder_3 is not None and plain.tokenizer_3 is not None
+    images = generate(plain)
+    assert (images - generate(build_tiny_sd3_pipeline(seed=1))).abs().max() > 1e-3  # not vacuous
+    torch.testing.assert_close(images, generate(tiny_pipeline), rtol=0, atol=0)
+    torch.testing.assert_close(generate(load_sd3_pipeline(path)), images, rtol=0, atol=0)
+    long_prompt = ["a very long prompt with many more words than the eight tokens of max_sequence_length"]
+    torch.testing.assert_close(generate(plain, long_prompt), generate(tiny_pipeline, long_prompt), rtol=0, atol=0)
+
+
+def test_tiny_pipeline_records_its_name_and_seed(tmp_path, tiny_pipeline):
+    """What a run records as its base model, when the CLI passes the built pipeline object to the trainer."""
+    from marble_trl.checkpoint import base_model_name
+
+    pipe = build_tiny_sd3_pipeline(seed=3)
+    assert pipe.name_or_path == "tiny" and tiny_seed_of(pipe) == 3 and tiny_seed_of(tiny_pipeline) == 0
+
+    class Trainer:  # base_model_name reads model_name_or_path (None for a pipeline object), then the pipeline
+        model_name_or_path = None
+        pipeline = pipe
+
+    assert base_model_name(Trainer()) == "tiny"
+    loaded = load_sd3_pipeline(save_tiny_sd3_pipeline(tmp_path / "tiny", seed=3))
+    assert loaded.name_or_path == str(tmp_path / "tiny") and tiny_seed_of(loaded) is None  # a folder, not "tiny"
 
 
 def test_load_tiny_by_name(tiny_pipeline):
