@@ -2,8 +2,9 @@
 
 - ``marble-trl train --config recipes/tiny-cpu.yaml [--field value ...]``: YAML plus command-line overrides, parsed by
   TRL's ``TrlParser`` (so an ``env:`` block in the YAML sets environment variables, as with ``trl``);
-- ``marble-trl export --checkpoint DIR --output DIR [--ema] [--format diffusers|peft]``: a checkpoint as a publishable
-  LoRA folder with a model card (:mod:`marble_trl.export`), optionally pushed to the Hub;
+- ``marble-trl export --checkpoint DIR --output DIR [--ema] [--format diffusers|peft]``: a run folder (a checkpoint or
+  the final ``output_dir``) as a publishable LoRA folder with a model card (:mod:`marble_trl.export`), optionally
+  pushed to the Hub;
 - ``marble-trl generate --model tiny|PATH --lora DIR --prompts ... --output DIR``: images from a base model plus a
   LoRA, loaded with diffusers' ``load_lora_weights``;
 - ``marble-trl evaluate --model tiny|PATH [--lora DIR ...] --prompts SOURCE --reward_funcs ... --output DIR``: scores
@@ -138,7 +139,7 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
     """Run one training job; writes the LoRA, ``metrics.jsonl`` and ``samples_before_after.png`` to ``output_dir``."""
     from .models import load_sd3_pipeline
     from .nft_trainer import MarbleDiffusionNFTTrainer
-    from .samples import save_before_after
+    from .samples import save_before_after, score_images
 
     if not script_args.reward_funcs:
         raise ValueError("reward_funcs is empty: name at least one reward (e.g. --reward_funcs brightness).")
@@ -174,7 +175,18 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
 
             after = torch.cat([trainer.generate(grid_prompts, seed=s, use_lora=True) for s in seeds])
             scale = max(1, 128 // training_args.resolution)
-            save_before_after(before, after, len(grid_prompts), out / "samples_before_after.png", scale=scale)
+            first = {}  # the dataset row of each grid prompt: its columns reach the rewards, as in training
+            for k, prompt in enumerate(dataset["prompt"]):
+                first.setdefault(prompt, k)
+            extra = [c for c in dataset.column_names if c != "prompt"]
+            columns = {c: [dataset[first[p]][c] for p in grid_prompts] * len(seeds) for c in extra}
+            prompts = grid_prompts * len(seeds)
+            funcs, names = trainer.reward_funcs, trainer.reward_names
+            save_before_after(
+                before, after, len(grid_prompts), out / "samples_before_after.png", scale=scale, prompts=grid_prompts,
+                before_scores=score_images(funcs, names, prompts, before, columns),
+                after_scores=score_images(funcs, names, prompts, after, columns),
+            )  # fmt: skip
         summary["wall_time_s"] = round(time.perf_counter() - start, 1)
         (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if trainer.stopped_by_signal:
@@ -182,6 +194,10 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
                 f"[marble-trl] stopped by {trainer.stopped_by_signal} at step {result.global_step}; checkpoint "
                 f"{out / f'checkpoint-{result.global_step}'}; resume with --resume_from_checkpoint true"
             )
+        from .console import reward_summary_lines
+
+        for line in reward_summary_lines(trainer.state.log_history):  # first vs last logged mean of each reward
+            print(line)
         print(f"[marble-trl] done: {summary} -> {out}")
     if training_args.push_to_hub and not trainer.stopped_by_signal:
         mixture = script_args.dataset_mixture
@@ -224,21 +240,76 @@ def _resume_arg(value: str | None) -> str | bool | None:
     return value
 
 
+def train_parser():
+    """``marble-trl train``'s parser: TRL's ``TrlParser`` over the script and training arguments, with the wrapper's
+    own flags in its help (``--config`` is read by ``TrlParser``, the launcher flags by :mod:`marble_trl.launch`;
+    ``argparse.SUPPRESS`` keeps them out of the parsed dataclasses)."""
+    from trl import TrlParser
+
+    parser = TrlParser(
+        (MarbleScriptArguments, MarbleDiffusionNFTConfig),
+        prog="marble-trl train",
+        description="DiffusionNFT / MARBLE training: a YAML recipe (--config) with command-line overrides (any field "
+        "below, e.g. --max_steps 10).",
+    )
+    group = parser.add_argument_group("marble-trl train (the command's own flags)")
+    group.add_argument(
+        "--config",
+        metavar="YAML",
+        default=argparse.SUPPRESS,
+        help="A recipe (e.g. recipes/tiny-cpu.yaml): its keys are the fields below; command-line flags override it; an "
+        "env: block sets environment variables.",
+    )
+    group.add_argument(
+        "--accelerate_config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="Re-run this command under `accelerate launch --config_file FILE` (configs in recipes/accelerate/; see "
+        "docs/distributed.md).",
+    )
+    group.add_argument(
+        "--num_processes",
+        metavar="N",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="Processes for `accelerate launch` (overrides the config's num_processes; one per GPU). On CPU: "
+        "ACCELERATE_USE_CPU=true with --accelerate_config recipes/accelerate/multi_gpu.yaml (gloo).",
+    )
+    parser._action_groups.remove(group)  # listed first, above the ~200 fields of the dataclasses
+    parser._action_groups.insert(1, group)
+    return parser
+
+
 def _export_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="marble-trl export", description="A checkpoint -> a publishable LoRA folder.")
-    p.add_argument("--checkpoint", required=True, help="A checkpoint-N folder of a marble_trl run.")
+    p = argparse.ArgumentParser(
+        prog="marble-trl export",
+        description="A run folder (checkpoint-N or the final output_dir) -> a publishable LoRA folder, written "
+        "atomically (nothing is left at --output when a step fails).",
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="A run folder: a checkpoint-N folder, or the final output_dir of a run (its LoRA and marble_trl.json).",
+    )
     p.add_argument("--output", required=True, help="Folder to write (LoRA, README.md model card, marble_trl.json).")
-    p.add_argument("--ema", action="store_true", help="Export the parameter EMA instead of the trained weights.")
+    p.add_argument(
+        "--ema",
+        action="store_true",
+        help="Export the parameter EMA instead of the trained weights (needs a checkpoint-N folder of a run with "
+        "param_ema=True: the final output_dir holds only the trained LoRA).",
+    )
     p.add_argument("--format", choices=["diffusers", "peft"], default="diffusers", help="LoRA file format.")
     p.add_argument("--base_model", help="Base model id for the card (default: the run's model_name_or_path).")
     p.add_argument("--sample_prompts", nargs="*", default=[], help="Render these prompts into samples/ for the card.")
     p.add_argument("--model", help="Base model to render samples with (default: --base_model / the run's model).")
-    p.add_argument("--tiny_seed", type=int, default=0, help="Seed of the tiny model (--model tiny).")
+    p.add_argument(
+        "--tiny_seed", type=int, help="Seed of the tiny model (base model tiny; default: the seed the run records)."
+    )
     p.add_argument("--license", help="License for the card's metadata.")
     p.add_argument("--push_to_hub", metavar="REPO_ID", help="Upload the folder to this Hub repo (created if needed).")
     p.add_argument("--private", action="store_true", help="Create the Hub repo private.")
     p.add_argument("--token", help="Hub token (default: HF_TOKEN / the saved login).")
-    p.add_argument("--overwrite", action="store_true", help="Write into a non-empty --output.")
+    p.add_argument("--overwrite", action="store_true", help="Replace a non-empty --output (a previous export).")
     return p
 
 
@@ -255,7 +326,9 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", help="euler, heun, dpm2, pipeline or a diffusers scheduler class name.")
     p.add_argument("--max_sequence_length", type=int, help="T5 prompt length (default: the training setting).")
     p.add_argument("--weight_name", help="LoRA file inside --lora (e.g. param_ema.safetensors in a checkpoint).")
-    p.add_argument("--tiny_seed", type=int, default=0, help="Seed of the tiny model (--model tiny).")
+    p.add_argument(
+        "--tiny_seed", type=int, help="Seed of the tiny model (--model tiny; default: the --lora folder's, else 0)."
+    )
     p.add_argument("--torch_dtype", choices=DTYPES, default="auto", help="'auto': bf16 on CUDA, else float32.")
     p.add_argument("--device", help="Default: cuda if available, else cpu.")
     return p
@@ -265,7 +338,7 @@ def _evaluate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="marble-trl evaluate",
         description="Score a base model and LoRAs / checkpoints on a prompt set: results.md, results.csv, per-model "
-        "scores.jsonl (resumable) and image grids.",
+        "scores.jsonl (resumable), captioned image grids, comparison.png (models side by side) and rewards.png.",
     )
     p.add_argument("--model", default="tiny", help="'tiny', a local diffusers SD3/SD3.5 folder or a Hub id.")
     p.add_argument(
@@ -301,7 +374,7 @@ def _evaluate_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_sequence_length", type=int, help="T5 prompt length (default: the LoRA's, else 256).")
     p.add_argument("--seed", type=int, default=0, help="Image i of prompt p uses noise seeded from (seed, p, i).")
     p.add_argument("--batch_size", type=int, default=8, help="Images per pipeline call.")
-    p.add_argument("--grid_prompts", type=int, default=8, help="Prompts in each model's grid.png (0: no grid).")
+    p.add_argument("--grid_prompts", type=int, default=8, help="Prompts in grid.png and comparison.png (0: none).")
     p.add_argument("--output", required=True, help="Folder for results.md, results.csv and one folder per model.")
     p.add_argument("--tiny_seed", type=int, default=0, help="Seed of the tiny model (--model tiny).")
     p.add_argument("--torch_dtype", choices=DTYPES, default="auto", help="'auto': bf16 on CUDA, else float32.")
@@ -401,10 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         launch, train_argv = split_launch_args(argv[1:])
         if launch:  # --accelerate_config / --num_processes: re-run under `accelerate launch`
             return launch_train(launch, train_argv)
-        from trl import TrlParser
-
-        parser = TrlParser((MarbleScriptArguments, MarbleDiffusionNFTConfig), prog="marble-trl train")
-        script_args, training_args = parser.parse_args_and_config(args=train_argv)
+        script_args, training_args = train_parser().parse_args_and_config(args=train_argv)
         train(script_args, training_args)
     elif ns.command == "export":
         export_command(argv[1:])

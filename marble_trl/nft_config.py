@@ -49,12 +49,37 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     weight_decay: float = field(default=1e-4, metadata={"help": "AdamW weight decay (DiffusionNFT: 1e-4)."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm (DiffusionNFT: 1.0)."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "LR schedule (DiffusionNFT: constant)."})
-    logging_steps: float = field(default=1, metadata={"help": "Log every this many optimizer steps."})
-    gradient_checkpointing: bool = field(
-        default=False,
+    logging_steps: float = field(
+        default=10,
+        metadata={"help": "Log every this many optimizer steps (TRL GRPO: 10); metrics are averaged over them."},
+    )
+    per_device_train_batch_size: int = field(
+        default=8,
+        metadata={
+            "help": "Images (not prompts) per micro-batch on each process; one optimizer step uses "
+            "per_device_train_batch_size * gradient_accumulation_steps * num_processes images."
+        },
+    )
+    activation_checkpointing: bool | None = field(
+        default=None,
         metadata={
             "help": "Enable gradient checkpointing on the diffusers transformer (saves activation memory, costs "
-            "about one more forward). Applied with `transformer.enable_gradient_checkpointing()`."
+            "about one more forward). Applied with `transformer.enable_gradient_checkpointing()`. Unset: off, or "
+            "the value of the deprecated alias `gradient_checkpointing`."
+        },
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated alias of activation_checkpointing (transformers 5). Unset here: TRL's base sets it to "
+            "True, which made transformers warn on every config and turned checkpointing on."
+        },
+    )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False,
+        metadata={
+            "help": "DDP's find_unused_parameters. Every trainable LoRA parameter gets a gradient each backward, so "
+            "the default is False (the same losses, no per-rank warning, no extra graph traversal)."
         },
     )
     bf16: bool | None = field(
@@ -190,7 +215,8 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         default="group",
         metadata={
             "help": "Advantage normalisation: 'group' (per-prompt std, MARBLE Eq. 3), 'batch' (global std, the "
-            "DiffusionNFT code), 'none'."
+            "DiffusionNFT code), 'none'. As in GRPOConfig, True means 'group' and False 'none' (also 'true' / "
+            "'false' on the command line)."
         },
     )
     multi_objective_aggregation: str = field(
@@ -292,6 +318,32 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         },
     )
 
+    # --- best checkpoint, reward-hacking guard, CPU threads (docs/evaluation.md, docs/getting-started.md) ---
+    hacking_patience: int = field(
+        default=0,
+        metadata={
+            "help": "Stop training after this many consecutive evaluations flag reward hacking (eval_hacking = 1: a "
+            "training reward rose since the previous evaluation while its held-out score fell). 0: only log it."
+        },
+    )
+    torch_num_threads: int | None = field(
+        default=None,
+        metadata={
+            "help": "CPU threads of torch (torch.set_num_threads) while train() runs. Unset: torch's default (one per core). "
+            "Small models on a few shared cores run faster with 1 (the tiny-cpu recipe sets it)."
+        },
+    )
+
+    # --- rollout samples to the trackers of report_to ---
+    log_samples: int = field(
+        default=0,
+        metadata={
+            "help": "Every this many optimizer steps, a captioned grid of the step's rollouts (prompt, per-image "
+            "rewards) to the TensorBoard / wandb / Trackio runs of report_to (`train/samples`) and to "
+            "output_dir/rollouts/step-{N}.png (0: off; TRL GRPO's log_completions)."
+        },
+    )
+
     def __post_init__(self):
         if self.bf16 is None:
             self.bf16 = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and not self.fp16
@@ -309,6 +361,12 @@ class MarbleDiffusionNFTConfig(BaseConfig):
                 ) from err
         if isinstance(self.eval_reward_funcs, str):
             self.eval_reward_funcs = [self.eval_reward_funcs]
+        # GRPOConfig maps True -> "group" and False -> "none"; YAML gives a bool, the command line "true" / "false".
+        if isinstance(self.scale_rewards, bool) or str(self.scale_rewards).lower() in ("true", "false"):
+            self.scale_rewards = "group" if str(self.scale_rewards).lower() == "true" else "none"
+        best = self.load_best_model_at_end or getattr(self.save_strategy, "value", self.save_strategy) == "best"
+        if best and self.metric_for_best_model is None:
+            self.metric_for_best_model = "eval_composite"  # transformers' "loss": this trainer has no eval loss
         self._check_fields()
         super().__post_init__()
         self._check_batching()
@@ -358,6 +416,11 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             f"resume_allow_changes names {unknown}, which resume does not check (they may change freely) or which "
             f"cannot change; the fields it checks: {sorted(resumable)}.",
         )
+        need(self.hacking_patience >= 0, f"hacking_patience must be >= 0 (0: only log), got {self.hacking_patience}.")
+        need(
+            self.torch_num_threads is None or self.torch_num_threads >= 1,
+            f"torch_num_threads must be >= 1 or unset (torch's default), got {self.torch_num_threads}.",
+        )
         need(self.max_nonfinite_skips >= 0, f"max_nonfinite_skips must be >= 0, got {self.max_nonfinite_skips}.")
         need(
             self.old_policy_update_interval >= 1,
@@ -366,7 +429,8 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         )
         need(
             self.scale_rewards in SCALE_REWARDS,
-            f"scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}.",
+            f"scale_rewards must be one of {SCALE_REWARDS} (or True = 'group', False = 'none'), got "
+            f"{self.scale_rewards!r}.",
         )
         need(
             self.multi_objective_aggregation in AGGREGATIONS,
@@ -420,6 +484,7 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         need(
             self.eval_grid_prompts >= 0, f"eval_grid_prompts must be >= 0 (0: no grid), got {self.eval_grid_prompts}."
         )
+        need(self.log_samples >= 0, f"log_samples must be >= 0 (0: off), got {self.log_samples}.")
         if self.eval_reward_funcs is not None:
             need(
                 len(self.eval_reward_funcs) > 0,

@@ -22,6 +22,7 @@ The ``transformers.Trainer`` hooks overridden, and why:
 - ``_save``: writes the LoRA in diffusers format instead of the whole transformer;
 - ``_save_checkpoint`` / ``_load_from_checkpoint`` / ``train``: atomic checkpoints with the old-policy adapter, the
   parameter EMA and the MARBLE state, exact resume, a checkpoint on SIGTERM/SIGINT (:mod:`marble_trl.checkpoint`);
+- ``_load_best_model``: ``load_best_model_at_end`` restores the best checkpoint's LoRA adapters (:mod:`marble_trl.best`);
 - ``create_model_card`` / ``push_to_hub`` / ``init_hf_repo`` / ``_push_from_checkpoint``: a diffusers LoRA card and
   Hub uploads (:mod:`marble_trl.hub`);
 - ``_send_telemetry``: TRL's reads ``model.config.model_type``, which diffusers models lack.
@@ -52,6 +53,7 @@ from transformers import TrainerCallback, set_seed
 from ._trl import BaseTrainer
 from .advantages import collate_advantages, group_std, group_std_is_zero
 from .balance import MarbleBalancer, cosine_stats, make_gradient_engine, unflatten, update_cosines
+from .best import RewardHackingCallback, load_best_checkpoint, record_best_checkpoint, selection_metrics
 from .checkpoint import (
     SamplerEpochCallback,
     SaveOnSignalCallback,
@@ -59,6 +61,7 @@ from .checkpoint import (
     save_checkpoint_atomically,
     training_session,
 )
+from .console import order_logs, torch_threads
 from .data import GroupSampler, check_prompt_dataset
 from .distributed import backward, check_frozen_models_not_partitioned, disable_zero3_init, gathered
 from .evaluation import generate_eval_images, grid_image, sample_seed, summarize_scores
@@ -77,10 +80,19 @@ from .models import load_sd3_pipeline, predict_velocity
 from .nft import add_noise, advantage_to_r, nft_loss, nft_loss_terms, old_policy_decay, param_ema_decay
 from .nft_config import MarbleDiffusionNFTConfig
 from .resume import apply_changed_hyperparameters
-from .rewards import RewardFunc, resolve_reward_funcs, reward_name, score_rewards
+from .rewards import (
+    RewardFunc,
+    RewardLogs,
+    check_reward_funcs,
+    finite_numbers,
+    resolve_reward_funcs,
+    reward_name,
+    score_rewards,
+)
 from .rollout import PromptEmbeddings, decode_latents, encode_prompts, make_scheduler, sample_latents, training_sigmas
 from .seeding import keyed_generator
 from .sources import SOURCE_COLUMN
+from .trackers import adapt_model_config, log_image, rollout_grid
 
 
 def _eval_datasets(eval_dataset: Any) -> list[tuple[str, Any]]:
@@ -150,6 +162,10 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         if not isinstance(args, MarbleDiffusionNFTConfig):
             raise TypeError(f"args must be a MarbleDiffusionNFTConfig, got {type(args).__name__}.")
         check_prompt_dataset(train_dataset)
+        # A callable reward with the wrong signature fails here, before the model loads (named ones once resolved).
+        train_columns = getattr(train_dataset, "column_names", None)
+        specs = [reward_funcs] if isinstance(reward_funcs, str) or callable(reward_funcs) else list(reward_funcs)
+        check_reward_funcs([f for f in specs if callable(f)], columns=train_columns)
         self._source_indices(train_dataset, args.source_ratios)  # a mixture's ratios fail here, not at train()
         for name, dataset in _eval_datasets(eval_dataset):
             check_prompt_dataset(dataset, name=name)
@@ -188,9 +204,11 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         add_policy_adapters(transformer, peft_config)
         # diffusers models have `enable_gradient_checkpointing`; Trainer calls `activation_checkpointing_enable`.
         transformer.activation_checkpointing_enable = lambda **_: transformer.enable_gradient_checkpointing()
+        adapt_model_config(transformer)  # report_to callbacks read model.config as a transformers config
 
         self.reward_funcs = resolve_reward_funcs(reward_funcs, args.reward_kwargs)
         self.reward_names = [reward_name(f) for f in self.reward_funcs]
+        check_reward_funcs(self.reward_funcs, self.reward_names, train_columns)  # (prompts, images, **columns)
         if len(set(self.reward_names)) != len(self.reward_names):
             raise ValueError(
                 f"Reward names must be unique (they name the logged metrics), got {self.reward_names}; give each "
@@ -205,6 +223,9 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self.aggregation = self._resolve_aggregation(args.multi_objective_aggregation, len(self.reward_funcs))
         self.eval_reward_funcs, self.eval_reward_names = self._resolve_eval_rewards(eval_reward_funcs, args)
+        for columns in [getattr(d, "column_names", None) for _, d in _eval_datasets(eval_dataset)] or [None]:
+            check_reward_funcs(self.eval_reward_funcs, self.eval_reward_names, columns)
+        self.reward_extras: dict[str, list[Any]] = {}  # log_extra's columns of the last step (this process's samples)
 
         self._metrics: dict[str, list[float]] = defaultdict(list)
         self._step_timer: dict[str, float] = defaultdict(float)
@@ -247,6 +268,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         self.emergency_checkpoint: str | None = None  # set when train() raised and a checkpoint was written
         self.add_callback(SaveOnSignalCallback(self))
         self.add_callback(SamplerEpochCallback())
+        if args.hacking_patience:
+            self.add_callback(RewardHackingCallback(args.hacking_patience))
 
     # ------------------------------------------------------------------ setup helpers
     def _check_resolution(self, args: MarbleDiffusionNFTConfig) -> None:
@@ -363,6 +386,31 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
     def _autocast(self):
         return self.accelerator.autocast() if self.args.bf16 or self.args.fp16 else contextlib.nullcontext()
 
+    def _flush_reward_logs(self, logs: RewardLogs, batch: int) -> None:
+        """What the rewards logged (GRPO's flush): each ``log_metric`` name averaged over all processes' values into
+        the logged metrics; for each ``log_extra`` column, the mean of its finite numbers (all processes) as
+        ``extra/{column}``, and this process's values in ``self.reward_extras``. Names are gathered and sorted so that
+        every process gathers the same metrics in the same order."""
+        device = self.accelerator.device
+
+        def mean_over_processes(values: list[float]) -> float | None:
+            local = torch.tensor([sum(values), len(values)], dtype=torch.float64, device=device)
+            total, count = self.accelerator.gather(local).view(-1, 2).sum(dim=0).tolist()
+            return total / count if count else None
+
+        for name in sorted(set(gather_object(list(logs.metrics)))):
+            value = mean_over_processes(logs.metrics.get(name, []))
+            if value is not None:
+                self._metrics[name].append(value)
+        self.reward_extras = {}
+        for column in sorted(set(gather_object(list(logs.extras)))):
+            values = logs.extras.get(column, [None] * batch)
+            self.reward_extras[column] = values
+            value = mean_over_processes(finite_numbers(values))
+            if value is not None:
+                key = f"extra/{column}"  # a user's column: documented as extra/{column} in docs/coming-from-grpo.md
+                self._metrics[key].append(value)
+
     def _generate_and_score(self, batches: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         args = self.args
         device = self.accelerator.device
@@ -401,8 +449,19 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
         start = time.perf_counter()
         timings: dict[str, float] = {}
-        rewards_local = score_rewards(self.reward_funcs, prompts, images_all, columns, self.reward_names, timings)
+        reward_logs = RewardLogs()  # GRPO's trainer_state / log_extra / log_metric kwargs
+        rewards_local = score_rewards(
+            self.reward_funcs,
+            prompts,
+            images_all,
+            columns,
+            self.reward_names,
+            timings,
+            trainer_state=self.state,
+            logs=reward_logs,
+        )
         reward_time = time.perf_counter() - start
+        self._flush_reward_logs(reward_logs, len(prompts))
         for name, seconds in timings.items():
             self._metrics[f"rewards/{name}/time"].append(seconds)
 
@@ -413,6 +472,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             rewards_global, args.num_generations, args.scale_rewards, self.reward_weights, self.aggregation
         )
         self._log_rewards(rewards_global, sources_global)
+        self._log_rollout_samples(prompts, images_all, rewards_local, local_positions // args.num_generations)
         self._metrics["time/rollout"].append(rollout_time)
         self._metrics["time/reward"].append(reward_time)
 
@@ -742,6 +802,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
                 finite = [v for v in values if not math.isnan(v)]
                 logs[key] = sum(finite) / len(finite) if finite else float("nan")
             self._metrics.clear()
+        order_logs(logs)  # console: loss, reward, rewards/*/mean first (marble_trl.console)
         super().log(logs, start_time)
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
@@ -786,12 +847,23 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ checkpoints and the Hub
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        """``transformers.Trainer.train``; SIGTERM / SIGINT write a checkpoint at the next step end and stop."""
-        with training_session(self, resume_from_checkpoint) as resume:
+        """``transformers.Trainer.train``; SIGTERM / SIGINT write a checkpoint at the next step end and stop. Runs with
+        ``torch_num_threads`` CPU threads when set (torch's count is restored afterwards)."""
+        with torch_threads(self.args.torch_num_threads), training_session(self, resume_from_checkpoint) as resume:
             return super().train(resume, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial) -> None:
-        save_checkpoint_atomically(self, super()._save_checkpoint, model, trial)
+        base = super()
+
+        def save(model, trial) -> None:
+            base._save_checkpoint(model, trial)
+            record_best_checkpoint(self, base._get_output_dir(trial))  # the real folder, not the staging one
+
+        save_checkpoint_atomically(self, save, model, trial)
+
+    def _load_best_model(self) -> None:
+        # load_best_model_at_end: the Trainer's version looks for a full model file; restore the LoRA adapters.
+        load_best_checkpoint(self)
 
     def _get_output_dir(self, trial) -> str:
         # While a checkpoint is being written, the Trainer writes under the staging folder (see _save_checkpoint).
@@ -873,7 +945,8 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         ``param_ema`` and ``eval_use_param_ema`` are on, and score them with the evaluation rewards.
 
         Logs and returns ``{prefix}_rewards/{name}/mean`` (and ``std``, ``sem``, ``count``, and per source
-        ``{prefix}_rewards/{name}/{source}/mean``), ``{prefix}_runtime`` and ``{prefix}_samples``; saves an image grid
+        ``{prefix}_rewards/{name}/{source}/mean``), ``{prefix}_composite`` and, from the second evaluation on,
+        ``{prefix}_hacking`` (:mod:`marble_trl.best`), ``{prefix}_runtime`` and ``{prefix}_samples``; saves an image grid
         of the first ``eval_grid_prompts`` prompts to ``output_dir/eval/step-{N}.png``. Prompts are sharded over the
         processes and the scores gathered. Training randomness is untouched: a run with evaluations trains exactly as
         one without. A dict of eval datasets is evaluated one by one, with the prefix ``eval_{key}``.
@@ -890,6 +963,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         check_prompt_dataset(dataset, name="eval_dataset")
         start = time.time()
         metrics = self._evaluate_dataset(dataset, metric_key_prefix)
+        metrics.update(selection_metrics(self, metrics, metric_key_prefix))  # composite, hacking (marble_trl.best)
         metrics[f"{metric_key_prefix}_runtime"] = round(time.time() - start, 4)
         self._logging_eval = True
         try:
@@ -972,7 +1046,11 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             folder = os.path.join(args.output_dir, "eval")
             os.makedirs(folder, exist_ok=True)
             tag = prefix[len("eval_") :] + "-" if prefix.startswith("eval_") else ""
-            image = grid_image(torch.stack(grid), n_img if n_img > 1 else len(grid), args.resolution)
+            image = grid_image(
+                torch.stack(grid), n_img if n_img > 1 else len(grid), args.resolution,
+                prompts=[dataset[r["p"]]["prompt"] for r in rows if r["image"] is not None],
+                scores=[score_rows[k] for k, r in enumerate(rows) if r["image"] is not None],
+            )  # fmt: skip
             image.save(os.path.join(folder, f"{tag}step-{self.state.global_step}.png"))
             self._log_eval_grid(
                 image, f"{prefix.replace('_', '/', 1) if prefix.startswith('eval_') else prefix}/images"
@@ -980,16 +1058,27 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
         return metrics
 
     def _log_eval_grid(self, image, tag: str) -> None:
-        """Send the evaluation grid to the wandb / tensorboard runs of ``report_to`` (the Trainer's callbacks)."""
-        step = self.state.global_step
-        for callback in self.callback_handler.callbacks:
-            kind = type(callback).__name__
-            if kind == "WandbCallback" and getattr(getattr(callback, "_wandb", None), "run", None) is not None:
-                callback._wandb.log({tag: callback._wandb.Image(image), "train/global_step": step})
-            elif kind == "TensorBoardCallback" and getattr(callback, "tb_writer", None) is not None:
-                import numpy as np
+        """Send the evaluation grid to the TensorBoard / wandb / Trackio runs of ``report_to`` (the Trainer's
+        callbacks of those types, subclasses included; see :mod:`marble_trl.trackers`)."""
+        log_image(self.callback_handler.callbacks, tag, image, self.state.global_step)
 
-                callback.tb_writer.add_image(tag, np.asarray(image), step, dataformats="HWC")
+    def _log_rollout_samples(
+        self, prompts: list[str], images: torch.Tensor, rewards: torch.Tensor, groups: torch.Tensor
+    ) -> None:
+        """``log_samples``: every that many optimizer steps, a captioned grid of this process's rollouts of the step
+        (prompts, per-image rewards) to ``output_dir/rollouts/step-{N}.png`` and to the trackers as ``train/samples``
+        (main process only)."""
+        every = self.args.log_samples
+        step = self.state.global_step + 1  # the optimizer step these rollouts train
+        if not every or step % every or not self.is_world_process_zero():
+            return
+        grid, caption = rollout_grid(
+            images, prompts, rewards, self.reward_names, groups.tolist(), title=f"step {step}: rollouts"
+        )
+        folder = os.path.join(self.args.output_dir, "rollouts")
+        os.makedirs(folder, exist_ok=True)
+        grid.save(os.path.join(folder, f"step-{step}.png"))
+        log_image(self.callback_handler.callbacks, "train/samples", grid, step, caption=caption)
 
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The trainable LoRA parameters by name."""

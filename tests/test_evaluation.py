@@ -341,22 +341,29 @@ eval_reward_funcs: [brightness, contrast]
 
 
 def test_eval_grid_reaches_wandb_and_tensorboard_callbacks(tmp_path):
+    """Trackers are found by type: subclasses of transformers' callbacks (here with fake clients) get the grid."""
     from transformers import TrainerCallback
+    from transformers.integrations import TensorBoardCallback as RealTensorBoard
+    from transformers.integrations import WandbCallback as RealWandb
 
     class FakeWandb:
         run = object()
         logged: list = []
 
         @staticmethod
-        def Image(image):  # noqa: N802 (wandb's name)
+        def Image(image, caption=None):  # noqa: N802 (wandb's name)
             return ("wandb-image", image.size)
 
         def log(self, data):
             self.logged.append(data)
 
-    class WandbCallback(TrainerCallback):
-        def __init__(self):
+    class WandbCallback(RealWandb):
+        def __init__(self):  # no wandb client: the fake one
             self._wandb = FakeWandb()
+            self._initialized = True
+
+        def on_log(self, *args, **kwargs):
+            return None
 
     class Writer:
         images: list = []
@@ -364,8 +371,23 @@ def test_eval_grid_reaches_wandb_and_tensorboard_callbacks(tmp_path):
         def add_image(self, tag, array, step, dataformats):
             self.images.append((tag, array.shape, step, dataformats))
 
-    class TensorBoardCallback(TrainerCallback):
+        def add_text(self, *args, **kwargs):
+            pass
+
+        def flush(self):
+            pass
+
+    class TensorBoardCallback(RealTensorBoard):
+        def __init__(self):
+            self.tb_writer = Writer()
+
+        def on_log(self, *args, **kwargs):
+            return None
+
+    class LookAlike(TrainerCallback):  # same name as a tracker, not one: gets nothing
         tb_writer = Writer()
+
+    LookAlike.__name__ = "TensorBoardCallback"
 
     trainer = MarbleDiffusionNFTTrainer(
         "tiny",
@@ -373,7 +395,7 @@ def test_eval_grid_reaches_wandb_and_tensorboard_callbacks(tmp_path):
         args=args_for(tmp_path, eval_num_images_per_prompt=1),
         train_dataset=TRAIN,
         eval_dataset={"held": EVAL},
-        callbacks=[WandbCallback(), TensorBoardCallback()],
+        callbacks=[WandbCallback(), TensorBoardCallback(), LookAlike()],
     )
     trainer.evaluate()
     ((tag, size),) = [(k, v[1]) for d in FakeWandb.logged for k, v in d.items() if k != "train/global_step"]
