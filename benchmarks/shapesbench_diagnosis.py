@@ -1,0 +1,165 @@
+"""Why does a ShapesBench specialist reward not improve when trained alone? One factor at a time.
+
+Each run trains ``only_<reward>`` (plain DiffusionNFT, one reward) on the prompts of the reward's own family only
+(every group informative), from the cached ShapesBench base model, and scores the held-out prompts of that family
+with fixed noise. The baseline is the control run of docs/shapesbench.md (20 steps x 4 prompts x 8 images, lr 2e-3,
+KL 0, LoRA r 8 with proj_out, 6 Euler rollout steps, ``scale_rewards="group"``); every other row changes one factor.
+``spread`` rows measure, on the base model, the reward's within-group spread (what the advantages are made of) and
+the fraction of groups with no spread (no signal), against the evaluation noise (s.e.m. over held-out images).
+
+    python benchmarks/shapesbench_diagnosis.py --out outputs/shapes-diagnosis [--rewards color count position]
+        [--factors baseline steps60 ...] [--seeds 0]
+
+Each (reward, factor, seed) writes ``<out>/<reward>-<factor>-seed<k>.json`` and is skipped when it exists
+(resumable). ``--table`` prints the markdown table from the records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from marble_trl import MarbleDiffusionNFTTrainer
+from marble_trl.shapesbench.bench import LORA_TARGETS, Budget, _config
+from marble_trl.shapesbench.methods import Method
+from marble_trl.shapesbench.pretrain import PretrainConfig, pretrain
+from marble_trl.shapesbench.scorers import REWARDS
+from marble_trl.shapesbench.world import COLUMNS, all_scenes, prompt_dataset
+
+BASE = Budget(steps=20, prompts_per_step=4, num_generations=8, learning_rate=2e-3)
+# factor -> (budget changes, config overrides)
+FACTORS: dict[str, tuple[dict, dict]] = {
+    "baseline": ({}, {}),
+    "steps60": ({"steps": 60}, {}),
+    "prompts16": ({"prompts_per_step": 16}, {}),
+    "group16": ({"num_generations": 16}, {}),
+    "lr1e-3": ({"learning_rate": 1e-3}, {}),
+    "lr5e-3": ({"learning_rate": 5e-3}, {}),
+    "kl1e-4": ({"beta": 1e-4}, {}),
+    "rank32": ({"lora_r": 32}, {}),
+    "attn_only": ({}, {"lora_target_modules": [t for t in LORA_TARGETS if t != "proj_out"]}),
+    "dpm2_10": ({"sample_steps": 10}, {"sample_scheduler": "dpm2"}),
+    "scale_batch": ({}, {"scale_rewards": "batch"}),
+    "nft_beta0.1": ({"nft_beta": 0.1}, {}),
+    "big": ({"steps": 60, "prompts_per_step": 16}, {}),
+}
+EVAL_PROMPTS_PER_FAMILY = 12  # held-out captions of the family (all of them for color / count: 12 each)
+EVAL_IMAGES_PER_PROMPT = 8
+
+
+def family_scenes(reward: str):
+    return [s for s in all_scenes() if s.family == reward]
+
+
+def held_out(reward: str):
+    import random
+
+    pool = family_scenes(reward)
+    rng = random.Random(4321)
+    return rng.sample(pool, min(EVAL_PROMPTS_PER_FAMILY, len(pool)))
+
+
+def score(trainer, reward: str, budget: Budget, use_lora: bool) -> dict[str, float]:
+    scenes = [s for s in held_out(reward) for _ in range(EVAL_IMAGES_PER_PROMPT)]
+    prompts = [s.prompt for s in scenes]
+    columns = {c: [s.columns()[c] for s in scenes] for c in COLUMNS}
+    images = trainer.generate(prompts, seed=budget.eval_seed, use_lora=use_lora)
+    values = torch.tensor([v for v in REWARDS[reward](prompts, images, **columns) if v is not None])
+    return {"mean": values.mean().item(), "sem": (values.std() / math.sqrt(len(values))).item(), "n": len(values)}
+
+
+def within_group_spread(trainer, reward: str, group: int = 8) -> dict[str, float]:
+    """On the base model (no LoRA): the reward's std within groups of ``group`` images of one prompt."""
+    stds, zero = [], 0
+    for i, scene in enumerate(family_scenes(reward)):
+        prompts = [scene.prompt] * group
+        columns = {c: [scene.columns()[c]] * group for c in COLUMNS}
+        images = trainer.generate(prompts, seed=1000 + i, use_lora=False)
+        v = torch.tensor(REWARDS[reward](prompts, images, **columns))
+        stds.append(v.std(unbiased=False).item())
+        zero += int(v.std() == 0)
+    n = len(stds)
+    return {"mean_group_std": sum(stds) / n, "frac_zero_std": zero / n, "groups": n}
+
+
+def run(reward: str, factor: str, seed: int, model: str, out: Path) -> dict:
+    path = out / f"{reward}-{factor}-seed{seed}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    changes, overrides = FACTORS[factor]
+    budget = dataclasses.replace(BASE, **changes)
+    torch.set_num_threads(budget.threads)
+    method = Method(f"only_{reward}", (reward,), overrides=overrides)
+    args = _config(method, seed, budget, str(out / "trainer" / path.stem))
+    trainer = MarbleDiffusionNFTTrainer(
+        model, [REWARDS[reward]], args=args, train_dataset=prompt_dataset(family_scenes(reward))
+    )
+    start = time.perf_counter()
+    record = {"reward": reward, "factor": factor, "seed": seed, "budget": dataclasses.asdict(budget)}
+    record["overrides"] = overrides
+    if factor == "baseline":
+        record["base"] = score(trainer, reward, budget, use_lora=False)
+        record["spread"] = within_group_spread(trainer, reward)
+    trainer.train()
+    record["train_seconds"] = time.perf_counter() - start
+    record["trained"] = score(trainer, reward, budget, use_lora=True)
+    record["train_reward_curve"] = [h.get(f"rewards/{reward}/mean") for h in trainer.state.log_history if "loss" in h]
+    path.write_text(json.dumps(record))
+    return record
+
+
+def table(out: Path) -> str:
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    base = {r["reward"]: r for r in records if r["factor"] == "baseline"}
+    lines = ["| reward | factor | held-out (trained) | vs base | base | train s |", "|---|---|---|---|---|---|"]
+    for r in records:
+        b = base.get(r["reward"], {}).get("base")
+        t = r["trained"]
+        delta = f"{t['mean'] - b['mean']:+.3f}" if b else "?"
+        base_txt = f"{b['mean']:.3f} ± {b['sem']:.3f}" if b else "?"
+        lines.append(
+            f"| {r['reward']} | {r['factor']} | {t['mean']:.3f} ± {t['sem']:.3f} | {delta} | {base_txt} | "
+            f"{r['train_seconds']:.0f} |"
+        )
+    for reward, r in base.items():
+        s = r["spread"]
+        lines.append(
+            f"\n{reward}: within-group std on the base model {s['mean_group_std']:.3f} (groups of 8), "
+            f"{s['frac_zero_std']:.0%} of groups without spread; held-out s.e.m. {r['base']['sem']:.3f} "
+            f"over {r['base']['n']} images"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="outputs/shapes-diagnosis")
+    p.add_argument("--rewards", nargs="+", default=["color", "count", "position"])
+    p.add_argument("--factors", nargs="+", default=list(FACTORS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--model", default=None, help="base pipeline folder (default: the cached ShapesBench base)")
+    p.add_argument("--table", action="store_true", help="print the table of the records in --out and exit")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.table:
+        print(table(out))
+        return
+    model = a.model or str(pretrain(PretrainConfig()))
+    for factor in a.factors:
+        for reward in a.rewards:
+            for seed in a.seeds:
+                t0 = time.perf_counter()
+                r = run(reward, factor, seed, model, out)
+                print(f"{reward} {factor} seed {seed}: {r['trained']['mean']:.3f} ({time.perf_counter() - t0:.0f} s)")
+    print(table(out))
+
+
+if __name__ == "__main__":
+    main()
