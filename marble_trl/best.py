@@ -39,7 +39,7 @@ def composite(
 ) -> float | None:
     """Mean over the evaluation rewards of their change since the reference (first) evaluation, each divided by the
     reference's std over the evaluation images (1 where that std is 0 or missing): a mean effect size, 0 at the first
-    evaluation. ``None`` when no reward has a mean in both."""
+    evaluation, rounded to 4 decimals. ``None`` when no reward has a mean in both."""
     reference = metrics if reference is None else reference
     terms = []
     for name in names:
@@ -50,7 +50,8 @@ def composite(
         std = reference.get(f"{key}/std")
         scale = std if _finite(std) and std > 0 else 1.0
         terms.append((now - ref) / scale)
-    return sum(terms) / len(terms) if terms else None
+    # Rounded to 1e-4 standard deviations: finer differences are float noise (say, of another eval batch size).
+    return round(sum(terms) / len(terms), 4) if terms else None
 
 
 def _evaluations(history: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:

@@ -160,5 +160,6 @@ def test_composite_is_the_mean_effect_size_since_the_first_evaluation():
     now = {"eval_rewards/a/mean": 2.0, "eval_rewards/b/mean": -3.0}
     assert composite(["a", "b"], first, None, "eval") == 0.0
     assert composite(["a", "b"], now, first, "eval") == pytest.approx(((2 - 1) / 0.5 + (-3 + 2) / 1) / 2)
+    assert composite(["a"], {"eval_rewards/a/mean": 1.0 + 1e-7}, first, "eval") == 0.0  # float noise rounds away
     assert composite(["c"], now, first, "eval") is None
     assert composite(["a", "b"], {"eval_rewards/a/mean": math.nan}, first, "eval") is None
