@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 from datasets import Dataset
+from test_trainer import tiny_args as trainer_tiny_args
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
-from marble_trl.nft_config import DEFAULT_LORA_TARGETS
 from marble_trl.rewards import (
     TRAINER_KWARGS,
     RewardError,
@@ -31,33 +31,11 @@ from marble_trl.rewards import (
 
 PROMPTS = ["a cat", "a dog"]
 IMAGES = torch.zeros(2, 3, 4, 4)
-TINY_TARGETS = [*DEFAULT_LORA_TARGETS, "proj_out"]
 
 
 def tiny_args(tmp_path, **overrides) -> MarbleDiffusionNFTConfig:
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1,
-        max_steps=2,
-        learning_rate=1e-2,
-        per_device_train_batch_size=8,
-        num_generations=8,
-        prompts_per_step=2,
-        resolution=32,
-        num_sample_steps=2,
-        sample_scheduler="euler",
-        max_sequence_length=8,
-        lora_r=4,
-        lora_alpha=8,
-        lora_target_modules=TINY_TARGETS,
-        use_cpu=True,
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return MarbleDiffusionNFTConfig(**kwargs)
+    """test_trainer's fast tiny config with 2 sampler steps (these tests check rewards, not images)."""
+    return trainer_tiny_args(tmp_path, **{"num_sample_steps": 2, **overrides})
 
 
 def dataset() -> Dataset:
