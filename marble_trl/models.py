@@ -214,7 +214,12 @@ def load_sd3_pipeline(
     name_or_path = str(name_or_path)
     if name_or_path == TINY_MODEL_NAME:
         pipe = build_tiny_sd3_pipeline(seed=tiny_seed)
-        return pipe.to(dtype=torch_dtype) if torch_dtype is not None else pipe
+        if torch_dtype is not None and torch_dtype != torch.float32:
+            # Built in float32. nn.Module.to, not ModelMixin.to: diffusers' warns that it would keep "[]" in float32.
+            for component in pipe.components.values():
+                if isinstance(component, torch.nn.Module):
+                    torch.nn.Module.to(component, dtype=torch_dtype)
+        return pipe
     # A Hub id is "name" or "org/name"; anything with more parts or a path prefix is a local path.
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     expanded = Path(name_or_path).expanduser()

@@ -44,7 +44,7 @@ TRAIN_ARGS = [
     "2",
     "--marble_refresh_update",
     "advantage",
-    "--gradient_checkpointing",
+    "--activation_checkpointing",
     "true",
     "--sample_grid_prompts",
     "0",
