@@ -467,8 +467,11 @@ def save_emergency_checkpoint(trainer: MarbleDiffusionNFTTrainer, error: BaseExc
     else:
         from .guards import non_finite_tensors
 
-        if non_finite_tensors({n: p.detach() for n, p in trainer.trainable_parameters().items()}):
-            reason = "the LoRA is not finite"
+        tensors = {n: p.detach() for n, p in trainer.transformer.named_parameters() if "lora_" in n}
+        if trainer.param_ema is not None:
+            tensors.update({f"ema.{n}": t for n, t in trainer.param_ema.state_dict().items()})
+        if non_finite_tensors(tensors):
+            reason = "an adapter or the EMA is not finite"
     if reason is not None:
         logger.error(
             "Training failed at step %d (%s: %s); no emergency checkpoint: %s.",

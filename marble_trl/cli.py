@@ -163,7 +163,7 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
     except Exception as error:
         _save_after_failure(trainer, out, error, start)
         raise
-    trainer.save_model(str(out))
+    trainer.save_model(str(out), _internal_call=True)  # the push (if any) is the one below
     summary = {"global_step": result.global_step, "train_loss": result.training_loss}
     if trainer.stopped_by_signal:
         summary["stopped_by"] = trainer.stopped_by_signal
@@ -214,14 +214,14 @@ def _write_metrics(trainer, out: Path) -> None:
 def _save_after_failure(trainer, out: Path, error: BaseException, start: float) -> None:
     """Training raised: keep what it made (the LoRA when finite, metrics.jsonl, a run_summary.json naming the
     error and the emergency checkpoint) before the error propagates (non-zero exit)."""
-    if not trainer.is_world_process_zero():
-        return
+    if not trainer.is_world_process_zero() or trainer.state.global_step == 0:
+        return  # before the first step (a refused resume, a busy or occupied output_dir): the folder is not ours
     from .guards import non_finite_tensors
 
     out.mkdir(parents=True, exist_ok=True)
     lora_finite = not non_finite_tensors({n: p.detach() for n, p in trainer.trainable_parameters().items()})
-    if lora_finite and trainer.state.global_step > 0 and trainer.accelerator.num_processes == 1:
-        trainer.save_model(str(out))
+    if lora_finite and trainer.accelerator.num_processes == 1:
+        trainer.save_model(str(out), _internal_call=True)  # not a "Model save" push of a failed run
     _write_metrics(trainer, out)
     summary = {
         "global_step": trainer.state.global_step,

@@ -14,10 +14,14 @@ Checked on every optimizer step (see ``docs/checkpoints.md``, "Faults and what s
 ``max_nonfinite_skips`` consecutive skips stop the run with a :class:`FloatingPointError` that says what was not
 finite; the parameters are then the last finite ones (the emergency checkpoint saves those). With
 ``max_nonfinite_skips=0`` the first non-finite step is that error. The skipped step still counts as an optimizer step
-(``global_step`` advances and the learning-rate schedule moves on), like a skipped fp16 ``GradScaler`` step.
+(``global_step`` advances and the learning-rate schedule moves on; transformers does not step the schedule after a
+``GradScaler`` skip).
 
 A finite loss that grows ``DIVERGENCE_FACTOR`` (1e4) times over the first step's is not skipped, but warned about once
 (a far too large learning rate: the loss reached 1.5e14 at ``learning_rate=1e4``).
+
+With fp16 (a ``GradScaler``) non-finite gradients are the scaler's business: it skips those steps and lowers its
+scale, and the guard then only keeps the old policy and the EMA in place for them (they are not counted as skips).
 
 Under DeepSpeed the optimizer step runs inside the engine's backward, so a step cannot be skipped from here: a
 non-finite loss or gradient buffer is an immediate error.
@@ -86,9 +90,14 @@ class NonFiniteGuard(TrainerCallback):
         self.reasons = []
         self.skipped = False
 
+    def _scaler(self):
+        return getattr(self.trainer.accelerator, "scaler", None)
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.trainer.is_deepspeed_enabled:
             return
+        if self._scaler() is not None:
+            return  # fp16: the GradScaler skips steps with inf/NaN gradients itself (and needs them to see it)
         params = self._params()
         bad = [n for n, p in params.items() if p.grad is not None and not torch.isfinite(p.grad).all()]
         if bad:
@@ -108,6 +117,10 @@ class NonFiniteGuard(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.trainer.is_deepspeed_enabled or self.skipped:
+            return
+        if self._scaler() is not None:
+            # the GradScaler's skip is the guard's: nothing moved, so neither may the old policy nor the EMA
+            self.skipped = bool(self.trainer.accelerator.optimizer_step_was_skipped)
             return
         params = self._params()
         bad = [n for n, p in params.items() if not torch.isfinite(p).all()]

@@ -31,7 +31,7 @@ CARD_TAGS = ["diffusers", "lora", "text-to-image", "trl", "marble", "diffusion-n
 EXPORT_CONFIG_FILE = "marble_trl.json"  # sampling settings and provenance; read by `marble-trl generate`
 SAMPLES_DIR = "samples"
 # Never pushed: checkpoints (and interrupted saves), private files, the pickled TrainingArguments.
-PUSH_IGNORE = ["_*", "checkpoint-*", "tmp-*", "training_args.bin"]
+PUSH_IGNORE = ["_*", "checkpoint-*", "tmp-*", "training_args.bin", ".marble_trl.lock"]
 
 MARBLE_CITATION = """@article{marble2026,
   title   = {{MARBLE}: Multi-Aspect Reward Balance for Diffusion {RL}},

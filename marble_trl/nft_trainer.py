@@ -743,6 +743,13 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
             bad = [n for n, row in zip(self.reward_names, buffers) if not torch.isfinite(row).all()]
             self.nonfinite_guard.flag(f"the per-reward gradients of {bad} are not finite")
             return  # the step is skipped: no QP, no coefficient update
+        flagged = torch.tensor([float(bool(self.nonfinite_guard.reasons))], device=buffers.device)
+        if self.accelerator.num_processes > 1:  # every rank decides alike
+            torch.distributed.all_reduce(flagged, op=torch.distributed.ReduceOp.MAX)
+        if mode == "refresh" and flagged.item():
+            if not self.nonfinite_guard.reasons:
+                self.nonfinite_guard.flag("another process's loss is not finite")
+            return  # the step will be skipped: the coefficients must not move either
         if mode == "refresh":
             buffers[~self._reward_has_signal.to(buffers.device)] = 0.0
             update, info = self.balancer.combine(buffers)
@@ -782,7 +789,7 @@ class MarbleDiffusionNFTTrainer(BaseTrainer):
 
     def _after_optimizer_step(self) -> None:
         step = self.state.global_step  # optimizer steps completed before this one
-        self._metrics["nonfinite/skipped_steps"].append(float(self.nonfinite_guard.total))
+        self._metrics["nonfinite/skipped_steps"].append(float(self.nonfinite_guard.skipped))
         if self.nonfinite_guard.skipped:  # nothing moved: neither may the old policy nor the EMA
             self._metrics["time/train"].append(self._step_timer.pop("train", 0.0))
             return

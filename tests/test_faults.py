@@ -122,7 +122,7 @@ def test_a_nan_gradient_skips_the_step_and_training_goes_on(tmp_path):
     # ... while the next steps train again
     assert any(not torch.equal(poison.seen[3][0][n], lora2[n]) for n in lora2)
     skipped = [h["nonfinite/skipped_steps"] for h in trainer.state.log_history if "loss" in h]
-    assert skipped == [0.0, 1.0, 1.0, 1.0]
+    assert skipped == [0.0, 1.0, 0.0, 0.0]  # per step (logging_steps 1): the second was skipped
 
 
 def test_consecutive_nan_steps_stop_the_run_with_finite_weights_and_no_nan_checkpoint(tmp_path, caplog):
@@ -330,3 +330,37 @@ def test_a_diverging_loss_is_warned_about(tmp_path, caplog):
             pass  # it may end non-finite as well: that is the guard's other job
     assert caplog.text.count("training is diverging") == 1  # measured: the loss reaches ~7e14 at step 3
     assert _finite(trainer)
+
+
+def test_a_failure_before_training_leaves_the_folder_alone(reference_run, tmp_path):
+    """A run refused at start (here: an occupied output_dir) must not overwrite the folder's own metrics.jsonl and
+    run_summary.json with its empty ones."""
+    from marble_trl.cli import _save_after_failure
+
+    out = tmp_path / "run"
+    _copy_checkpoints(reference_run, out, steps=(3,))
+    (out / "metrics.jsonl").write_text('{"step": 3}\n')
+    (out / "run_summary.json").write_text('{"global_step": 3}\n')
+    trainer = make_trainer(out, max_steps=1)
+    with pytest.raises(FileExistsError) as info:
+        trainer.train()
+    _save_after_failure(trainer, out, info.value, 0.0)
+    assert (out / "metrics.jsonl").read_text() == '{"step": 3}\n'
+    assert json.loads((out / "run_summary.json").read_text()) == {"global_step": 3}
+
+
+def test_a_nan_loss_refreshes_no_marble_coefficients(tmp_path, monkeypatch):
+    """A refresh step whose loss is flagged non-finite is skipped whole: the balancer does not move either."""
+    import marble_trl.nft_trainer as nft_trainer
+
+    trainer = make_trainer(tmp_path / "run", max_steps=1, max_nonfinite_skips=1)
+    before = json.dumps(trainer.balancer.state_dict(), sort_keys=True)
+    original = nft_trainer.nft_loss
+
+    def nan_loss(*args, **kwargs):
+        return original(*args, **kwargs) * float("nan")
+
+    monkeypatch.setattr(nft_trainer, "nft_loss", nan_loss)
+    trainer.train()
+    assert trainer.nonfinite_guard.total == 1 and _finite(trainer)
+    assert json.dumps(trainer.balancer.state_dict(), sort_keys=True) == before
