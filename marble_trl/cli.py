@@ -75,6 +75,14 @@ class MarbleScriptArguments:
         default=4, metadata={"help": "Prompts in the before/after sample grid (0 disables the grid)."}
     )
     sample_grid_seeds: int = field(default=2, metadata={"help": "Seeds per prompt in the before/after sample grid."})
+    eval_before_after: bool = field(
+        default=False,
+        metadata={
+            "help": "Evaluate the base model before training and the trained model after it on eval_dataset_name "
+            "(the trainer's evaluation: fixed seeds, eval_reward_funcs, eval_num_images_per_prompt); writes "
+            "eval_before / eval_after ({reward: mean}) into run_summary.json and prints them as a table."
+        },
+    )
 
     def __post_init__(self) -> None:
         from .sources import as_sources, mixture_ratios
@@ -89,6 +97,10 @@ class MarbleScriptArguments:
                 )
             self.dataset_mixture = as_sources(self.dataset_mixture)
             mixture_ratios(self.dataset_mixture)  # all ratios or none, a positive sum: fail before loading the model
+        if self.eval_before_after and self.eval_dataset_name is None:
+            raise ValueError(
+                "eval_before_after needs held-out prompts: set eval_dataset_name (e.g. 'shapes_eval' or a file)."
+            )
 
 
 def load_train_dataset(name: str, split: str = "train", prompt_column: str = "prompt"):
@@ -158,6 +170,7 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
         import torch
 
         before = torch.cat([trainer.generate(grid_prompts, seed=s, use_lora=False) for s in seeds])
+    eval_before = _final_eval(trainer, "eval_before") if script_args.eval_before_after else None
     try:
         result = trainer.train(resume_from_checkpoint=_resume_arg(training_args.resume_from_checkpoint))
     except Exception as error:
@@ -165,6 +178,9 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
         raise
     trainer.save_model(str(out), _internal_call=True)  # the push (if any) is the one below
     summary = {"global_step": result.global_step, "train_loss": result.training_loss}
+    if eval_before is not None and not trainer.stopped_by_signal:
+        summary["eval_before"] = eval_before
+        summary["eval_after"] = _final_eval(trainer, "eval_after")
     if trainer.stopped_by_signal:
         summary["stopped_by"] = trainer.stopped_by_signal
         before = None  # no "after" grid: exit quickly (a scheduler's grace period is short)
@@ -198,11 +214,32 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
 
         for line in reward_summary_lines(trainer.state.log_history):  # first vs last logged mean of each reward
             print(line)
+        if "eval_after" in summary:
+            for line in eval_table_lines(summary["eval_before"], summary["eval_after"], trainer.reward_names):
+                print(line)
         print(f"[marble-trl] done: {summary} -> {out}")
     if training_args.push_to_hub and not trainer.stopped_by_signal:
         mixture = script_args.dataset_mixture
         trainer.push_to_hub(dataset_name=", ".join(s.path for s in mixture) if mixture else script_args.dataset_name)
     return summary
+
+
+def _final_eval(trainer, prefix: str) -> dict[str, float]:
+    """``{reward: mean}`` of the trainer's evaluation on its eval dataset (before training the zero-initialised
+    LoRA is the base model)."""
+    metrics = trainer.evaluate(metric_key_prefix=prefix)
+    return {n: round(metrics[f"{prefix}_rewards/{n}/mean"], 6) for n in trainer.eval_reward_names}
+
+
+def eval_table_lines(before: dict[str, float], after: dict[str, float], trained: list[str]) -> list[str]:
+    """The held-out before/after table printed at the end of a run (``*``: a reward trained on)."""
+    width = max(len(n) for n in before) + 2
+    lines = [f"[marble-trl] held-out eval {'reward':<{width}} {'before':>8} {'after':>8} {'change':>8}"]
+    for name, b in before.items():
+        a = after[name]
+        mark = "" if name in trained else " (held out)"
+        lines.append(f"[marble-trl] held-out eval {name:<{width}} {b:>8.4f} {a:>8.4f} {a - b:>+8.4f}{mark}")
+    return lines
 
 
 def _write_metrics(trainer, out: Path) -> None:

@@ -24,6 +24,22 @@ import torch
 from .distributed import zero3_init_disabled
 
 TINY_MODEL_NAME = "tiny"
+# The ShapesBench base model shipped inside the package (marble_trl/shapesbench/weights/shapes): a tiny SD3.5-
+# architecture pipeline pretrained on the ShapesBench world, the README's main job (docs/shapesbench.md).
+SHAPES_MODEL_NAME = "shapes"
+
+
+def shapes_model_path() -> Path:
+    """The folder of the shipped ``shapes`` model (a ``save_pretrained`` folder)."""
+    from .shapesbench.shipped import WEIGHTS
+
+    folder = WEIGHTS / SHAPES_MODEL_NAME
+    if not (folder / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"The shipped 'shapes' model is missing from {folder}: reinstall marble_trl, or rebuild it with "
+            "`python -m marble_trl.shapesbench ship`."
+        )
+    return folder
 _TINY_CHARS = string.ascii_lowercase + string.digits + string.punctuation
 
 
@@ -205,7 +221,8 @@ def load_sd3_pipeline(
     torch_dtype: torch.dtype | None = None,
     tiny_seed: int = 0,
 ):
-    """Load an SD3 / SD3.5 pipeline from a local folder or Hub id; ``"tiny"`` builds the offline tiny pipeline.
+    """Load an SD3 / SD3.5 pipeline from a local folder or Hub id; ``"tiny"`` builds the offline tiny pipeline,
+    ``"shapes"`` loads the ShapesBench base model shipped in the package.
 
     A local path that does not exist is an error (it is never mistaken for a Hub id).
     """
@@ -226,9 +243,14 @@ def load_sd3_pipeline(
     if looks_local and not expanded.exists():
         raise FileNotFoundError(
             f"model_name_or_path {name_or_path!r} is not an existing folder. Give a local diffusers folder, a Hub id "
-            f"such as 'stabilityai/stable-diffusion-3.5-medium', or {TINY_MODEL_NAME!r} for the offline tiny model."
+            f"such as 'stabilityai/stable-diffusion-3.5-medium', or {TINY_MODEL_NAME!r} / {SHAPES_MODEL_NAME!r} for the offline models."
         )
     kwargs: dict = {"torch_dtype": torch_dtype} if torch_dtype is not None else {}
+    if name_or_path == SHAPES_MODEL_NAME:
+        folder = shapes_model_path()
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(folder), **kwargs, **_absent_components(folder))
+        pipe.register_to_config(_name_or_path=SHAPES_MODEL_NAME)  # cards and adapters name it like a Hub id
+        return pipe
     if expanded.exists():
         kwargs.update(_absent_components(expanded))
         return StableDiffusion3Pipeline.from_pretrained(str(expanded), **kwargs)

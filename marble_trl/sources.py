@@ -160,6 +160,11 @@ def normalise_ratios(ratios: Mapping[str, float], what: str = "ratios") -> dict[
     return {name: r / total for name, r in values.items()}
 
 
+# Built-in prompt sources of the ShapesBench world (with its metadata columns): every caption, each family drawn
+# equally often, and the stratified evaluation captions (docs/shapesbench.md).
+SHAPES_SOURCES = ("shapes", "shapes_eval")
+
+
 def load_source(source: PromptSource | str | Mapping):
     """One source as a ``datasets.Dataset`` whose first column is ``prompt`` (plus its extra columns)."""
     from .data import check_prompt_dataset, load_prompt_dataset
@@ -169,7 +174,12 @@ def load_source(source: PromptSource | str | Mapping):
     local = Path(path).expanduser()
     suffix = local.suffix.lstrip(".").lower()
     origin = path
-    if path == "bundled" or suffix == "txt":
+    if path in SHAPES_SOURCES:
+        from .shapesbench.world import eval_dataset, train_dataset
+
+        dataset = train_dataset() if path == "shapes" else eval_dataset()
+        origin = f"the ShapesBench world ({path})"
+    elif path == "bundled" or suffix == "txt":
         dataset = load_prompt_dataset(path)
         origin = str(local) if path != "bundled" else "the bundled prompt file"
     elif suffix in FILE_FORMATS:

@@ -45,12 +45,25 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--skip-existing", action="store_true", help="keep run records already in --out")
     _add_dataclass_args(r, Budget)
     _add_dataclass_args(r, PretrainConfig, "pretrain-")
+    sub.add_parser("ship", help="build the base model and the judges and copy them into the package (MANIFEST.json)")
+    sub.add_parser("verify-shipped", help="rebuild the shipped weights from scratch and compare them bit for bit")
     rep = sub.add_parser("report", help="(re)write the tables and plots from the run records in --out")
     rep.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
 
     from .report import write_report
 
+    if args.command == "ship":
+        from .shipped import ship
+
+        print(ship())
+        return
+    if args.command == "verify-shipped":
+        from .shipped import verify_shipped
+
+        differ = verify_shipped()
+        print("shipped weights reproduced bit for bit" if not differ else f"differ from MANIFEST.json: {differ}")
+        sys.exit(1 if differ else 0)
     if args.command == "pretrain":
         from .pretrain import pretrain
 

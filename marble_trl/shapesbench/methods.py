@@ -3,7 +3,8 @@
 Every method trains on the same world, prompts, budget (optimizer steps x images per step) and seed; only the way the
 rewards are combined differs:
 
-- ``only_<reward>``: one single-reward specialist per reward (plain DiffusionNFT);
+- ``only_<reward>``: each reward trained alone (plain DiffusionNFT) on the prompts it applies to: a specialist on its
+  own family, a general reward on every prompt (the learnability check);
 - ``weighted_sum``: ``multi_objective_aggregation="sum_then_normalize"`` (DiffusionNFT's multi-reward recipe);
 - ``normalize_then_sum``: GDPO's aggregation;
 - ``sequential``: hand-made stages, one reward per stage (a callback sets ``trainer.reward_weights`` to a one-hot
@@ -18,6 +19,10 @@ Every multi-reward method runs with ``log_update_cosines=True`` so that Table S1
 instead, and MARBLE every step has only refresh steps). ``weighted_sum_plain`` and ``marble_plain`` train exactly
 like ``weighted_sum`` and ``marble`` without that diagnostic: they are the cost table's reference and MARBLE's cost
 (``timing_only``), left out of the score tables and plots.
+
+``stress_weighted_sum`` and ``stress_marble`` train the weighted sum and MARBLE on v1's rewards (an opposing pair
+of pixel statistics, sharpness and compressibility, with the three specialists): the stress test of a reward set
+that conflicts, reported in its own table. Cost and stress methods run on seed 0 only (``seed0_only``).
 """
 
 from __future__ import annotations
@@ -31,10 +36,10 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from .scorers import REWARD_NAMES
+from .scorers import REWARD_NAMES, SPECIALIST_REWARDS, STRESS_REWARDS
 
 # Stage order of the sequential baseline: specialists first, then the general rewards (a hand-made schedule).
-SEQUENTIAL_ORDER = ("color", "count", "position", "sharpness", "compressibility")
+SEQUENTIAL_ORDER = ("color", "count", "position", "alignment", "preference", "sharpness", "compressibility")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,9 @@ class Method:
     sequential: bool = False
     uniform_solver: bool = False
     timing_only: bool = False
+    family: str | None = None  # train on this prompt family only (a specialist trained alone)
+    stress: bool = False  # the opposing-pair stress test (its own table)
+    seed0_only: bool = False  # cost and stress runs
 
     @property
     def multi_reward(self) -> bool:
@@ -57,18 +65,27 @@ def all_methods(rewards: tuple[str, ...] = tuple(REWARD_NAMES)) -> dict[str, Met
     """Every method of the benchmark, keyed by name (specialists first)."""
     weighted = {"multi_objective_aggregation": "sum_then_normalize", "log_update_cosines": True}
     marble = {"multi_objective_aggregation": "marble", "marble_refresh_interval": 10}
-    methods = [Method(f"only_{r}", (r,)) for r in rewards]
+    methods = [Method(f"only_{r}", (r,), family=r if r in SPECIALIST_REWARDS else None) for r in rewards]
+    stress = tuple(STRESS_REWARDS)
     methods += [
         Method("weighted_sum", rewards, weighted),
         # The same training as weighted_sum without the per-step cosine diagnostics: Table 2's reference.
-        Method("weighted_sum_plain", rewards, {"multi_objective_aggregation": "sum_then_normalize"}, timing_only=True),
+        Method(
+            "weighted_sum_plain",
+            rewards,
+            {"multi_objective_aggregation": "sum_then_normalize"},
+            timing_only=True,
+            seed0_only=True,
+        ),
         Method("normalize_then_sum", rewards, {**weighted, "multi_objective_aggregation": "normalize_then_sum"}),
         Method("sequential", rewards, weighted, sequential=True),
         Method("marble", rewards, {**marble, "log_update_cosines": True}),
         # The same training as marble without the amortised steps' cosine diagnostics: its cost in Table 2.
-        Method("marble_plain", rewards, marble, timing_only=True),
+        Method("marble_plain", rewards, marble, timing_only=True, seed0_only=True),
         Method("marble_every_step", rewards, {"multi_objective_aggregation": "marble", "marble_refresh_interval": 1}),
         Method("fixed_uniform", rewards, {**marble, "log_update_cosines": True}, uniform_solver=True),
+        Method("stress_weighted_sum", stress, weighted, stress=True, seed0_only=True),
+        Method("stress_marble", stress, {**marble, "log_update_cosines": True}, stress=True, seed0_only=True),
     ]
     return {m.name: m for m in methods}
 

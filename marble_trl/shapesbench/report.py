@@ -26,7 +26,7 @@ import numpy as np
 
 from ..scores import composite_zscores, markdown_table, mean_sem, write_csv
 from .methods import all_methods
-from .scorers import REWARD_NAMES
+from .scorers import EVAL_NAMES, REWARD_NAMES, STRESS_REWARDS
 
 MULTI_REWARD_ORDER = (
     "weighted_sum",
@@ -51,8 +51,10 @@ def _method_order(runs: Sequence[dict[str, Any]], timing: bool = False) -> list[
     return [m for m, spec in all_methods().items() if m in present and (timing or not spec.timing_only)]
 
 
-def _score_runs(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    keep = set(_method_order(runs))
+def _score_runs(runs: Sequence[dict[str, Any]], stress: bool = False) -> list[dict[str, Any]]:
+    """The runs of the score tables: no cost-only run; the stress-test runs only when ``stress``."""
+    catalogue = all_methods()
+    keep = {m for m in _method_order(runs) if catalogue[m].stress == stress}
     return [r for r in runs if r["method"] in keep]
 
 
@@ -62,37 +64,97 @@ def _pm(mean: float, sem: float, digits: int = 3) -> str:
     return f"{mean:.{digits}f}" if math.isnan(sem) else f"{mean:.{digits}f} ± {sem:.{digits}f}"
 
 
-def table1(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Rows for display (``mean ± sem`` strings) and raw rows (means, sems) of Table 1."""
-    runs = _score_runs(runs)
+def table1(
+    runs: Sequence[dict[str, Any]], stress: bool = False
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Rows for display (``mean ± sem`` strings) and raw rows (means, sems) of Table 1: every evaluation reward
+    (trained and held out), the worst training-reward gain over the base (``worst_gain``) and the composite z-score
+    over all of them. ``stress``: the same for the opposing-pair stress test."""
+    bases = [r for r in runs if r.get("base_eval")]
+    runs = _score_runs(runs, stress)
+    columns = [*STRESS_REWARDS, *EVAL_NAMES[len(REWARD_NAMES) :]] if stress else list(EVAL_NAMES)
+    trained = list(STRESS_REWARDS) if stress else list(REWARD_NAMES)
     methods = _method_order(runs)
     seeds = sorted({r["seed"] for r in runs})
     per_seed: dict[int, dict[str, dict[str, float]]] = defaultdict(dict)
     for r in runs:
         per_seed[r["seed"]][r["method"]] = r["eval"]
-        if r.get("base_eval"):
-            per_seed[r["seed"]]["base"] = r["base_eval"]
+    for r in bases:
+        per_seed[r["seed"]]["base"] = r["base_eval"]
     rows_order = (["base"] if any("base" in t for t in per_seed.values()) else []) + methods
     composite: dict[str, list[float]] = defaultdict(list)
+    worst: dict[str, list[float]] = defaultdict(list)
     for seed in seeds:
         table = {m: per_seed[seed][m] for m in rows_order if m in per_seed[seed]}
         if len(table) >= 2:
-            for m, z in composite_zscores(table, columns=REWARD_NAMES).items():
+            for m, z in composite_zscores(table, columns=columns).items():
                 composite[m].append(z)
+        base = per_seed[seed].get("base")
+        if base is not None:
+            for m, row in table.items():
+                worst[m].append(min(row[c] - base[c] for c in trained))
     display, raw = [], []
     for m in rows_order:
         d: dict[str, Any] = {"method": m}
         w: dict[str, Any] = {"method": m}
-        for col in REWARD_NAMES:
+        for col in columns:
             mean, sem, n = mean_sem(per_seed[s][m][col] for s in seeds if m in per_seed[s])
             d[col] = _pm(mean, sem)
             w[col], w[f"{col}_sem"] = mean, sem
+        mean, sem, _ = mean_sem(worst.get(m, []))
+        d["worst_gain"] = _pm(mean, sem)
+        w["worst_gain"], w["worst_gain_sem"] = mean, sem
         mean, sem, n = mean_sem(composite.get(m, []))
         d["composite_z"] = _pm(mean, sem, 2)
         w["composite_z"], w["composite_z_sem"], w["seeds"] = mean, sem, n
         d["seeds"] = n
         display.append(d)
         raw.append(w)
+    return display, raw
+
+
+def learnability(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each reward trained alone (``only_<reward>``) against the base on that reward: the gain (mean ± s.e.m. over
+    seeds), the gain in units of that s.e.m., and the evaluation's s.e.m. over images (measurability)."""
+    by = defaultdict(dict)
+    for r in runs:
+        by[r["seed"]][r["method"]] = r
+        if r.get("base_eval"):
+            by[r["seed"]]["base"] = r
+    display, raw = [], []
+    for name in REWARD_NAMES:
+        gains, image_sems = [], []
+        for seed, table in by.items():
+            alone, base = table.get(f"only_{name}"), table.get("base")
+            if alone is None or base is None:
+                continue
+            gains.append(alone["eval"][name] - base["base_eval"][name])
+            image_sems.append(max(alone.get("eval_sem", {}).get(name, math.nan), base["base_eval_sem"][name]))
+        if not gains:
+            continue
+        mean, sem, n = mean_sem(gains)
+        base_means = [t["base"]["base_eval"][name] for t in by.values() if "base" in t]
+        w = {
+            "reward": name,
+            "base": statistics.fmean(base_means),
+            "gain": mean,
+            "gain_sem": sem,
+            "gain_in_sems": mean / sem if sem and sem > 0 else math.nan,
+            "image_sem": max(image_sems),
+            "seeds": n,
+            "learnable": mean >= 0.10 and (n < 2 or mean > 2 * sem),
+        }
+        raw.append(w)
+        display.append(
+            {
+                "reward": name,
+                "base": f"{w['base']:.3f}",
+                "trained alone: gain": _pm(mean, sem),
+                "gain / s.e.m.": f"{w['gain_in_sems']:.1f}",
+                "s.e.m. over images (max)": f"{w['image_sem']:.3f}",
+                "seeds": n,
+            }
+        )
     return display, raw
 
 
@@ -342,10 +404,22 @@ def write_report(out_dir: str | Path, make_plots: bool = True) -> str:
         f"{budget['eval_per_family']} prompts per family x {budget['eval_images_per_prompt']} images.\n"
     ]
     t1d, t1r = table1(runs)
-    cols1 = ["method", *REWARD_NAMES, "composite_z"]
+    cols1 = ["method", *EVAL_NAMES, "worst_gain", "composite_z"]
     sections.append("## Table 1: held-out rewards (mean ± s.e.m. over seeds)\n\n" + markdown_table(t1d, cols1))
     write_csv(out_dir / "table1_rewards.csv", t1r, list(t1r[0]))
     (out_dir / "table1_rewards.md").write_text(markdown_table(t1d, cols1))
+
+    ld, lr = learnability(runs)
+    if ld:
+        sections.append("## Learnability: each reward trained alone\n\n" + markdown_table(ld, list(ld[0])))
+        write_csv(out_dir / "learnability.csv", lr, list(lr[0]))
+        (out_dir / "learnability.md").write_text(markdown_table(ld, list(ld[0])))
+
+    if _score_runs(runs, stress=True):
+        sd, _ = table1(runs, stress=True)
+        cols_stress = ["method", *STRESS_REWARDS, *EVAL_NAMES[len(REWARD_NAMES) :], "worst_gain", "composite_z"]
+        sections.append("## Stress test: an opposing pair of general rewards\n\n" + markdown_table(sd, cols_stress))
+        (out_dir / "table_stress.md").write_text(markdown_table(sd, cols_stress))
 
     tsd, tsr = tableS1(runs)
     cols_s = ["method", "worst_cos", "mean_cos", "var_cos", "conflict_rate", "steps"]

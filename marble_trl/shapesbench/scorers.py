@@ -220,12 +220,84 @@ def compressibility(prompts: list[str], images: torch.Tensor, **_) -> list[float
     return [float(np.clip((JPEG_FLAT_KB - kb) / JPEG_SPAN_KB, 0.0, 1.0)) for kb in jpeg_kb(images)]
 
 
-GENERAL_REWARDS = {"sharpness": sharpness, "compressibility": compressibility}
+PALETTE = torch.tensor([list(c) for c in COLORS.values()], dtype=torch.float32) / 255.0
+PURE_DISTANCE = 0.2
+
+
+def _shape_regularity(size: int, bh: int, bw: int) -> float:
+    """How much one component looks like a drawn shape: the best fill-ratio match over the world's shapes times
+    how square its box is (drawn shapes have box aspect 0.9-1; a stripe or a smear far less)."""
+    fill = size / (bh * bw)
+    best = max(float(np.clip(1.0 - abs(fill - ideal) / SHAPE_TOLERANCE, 0.0, 1.0)) for ideal in SHAPE_FILL.values())
+    aspect = min(bh, bw) / max(bh, bw)
+    return best * float(np.clip(1.0 - (1.0 - aspect) / 0.3, 0.0, 1.0))
+
+
+def fidelity(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
+    """World-likeness, prompt-free (a held-out evaluation reward, never trained on): mean of
+
+    - *purity*: the share of inked pixels (``max(rgb) > 0.2``) within RGB distance 0.2 of a palette colour: blur,
+      colour fringes and noise lower it;
+    - *regularity*: the area-weighted :func:`_shape_regularity` of the foreground components: blobs, smears and
+      stripes lower it.
+
+    0 for an image without any object."""
+    x = images.float().clamp(0, 1)
+    fg = foreground(x).numpy()
+    ink = x.amax(dim=1) > 0.2
+    dist = (x.permute(0, 2, 3, 1)[..., None, :] - PALETTE).norm(dim=-1).amin(dim=-1)
+    pure = (dist < PURE_DISTANCE) & ink
+    out = []
+    for i in range(x.shape[0]):
+        found = components(fg[i])
+        if not found:
+            out.append(0.0)
+            continue
+        total = sum(c[0] for c in found)
+        regular = sum(c[0] * _shape_regularity(*c) for c in found) / total
+        purity = float(pure[i].sum()) / max(1, int(ink[i].sum()))
+        out.append(0.5 * purity + 0.5 * regular)
+    return out
+
+
+def alignment(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
+    """Caption alignment by the learned ``alignment`` judge (CLIPScore's role; :mod:`.judges`)."""
+    from .judges import judge_scores
+
+    return judge_scores("alignment", prompts, images)
+
+
+def preference(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
+    """Preference for a clean, well-drawn image of the caption by the learned ``preference`` judge (PickScore /
+    HPS's role; :mod:`.judges`)."""
+    from .judges import judge_scores
+
+    return judge_scores("preference", prompts, images)
+
+
+def judge(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
+    """The held-out learned judge (UnifiedReward's role): never a training reward (:mod:`.judges`)."""
+    from .judges import judge_scores
+
+    return judge_scores("judge", prompts, images)
+
+
+# The v2 training rewards: two general (every prompt), three specialist (their family only).
+GENERAL_REWARDS = {"alignment": alignment, "preference": preference}
 SPECIALIST_REWARDS = {"color": color, "count": count, "position": position}
-REWARDS = {**GENERAL_REWARDS, **SPECIALIST_REWARDS}
-REWARD_NAMES = list(REWARDS)
+TRAIN_REWARDS = {**GENERAL_REWARDS, **SPECIALIST_REWARDS}
+# Held out: scored on every evaluation, never trained on (the paper's Aesthetic / ImageReward / UnifiedReward role).
+HELD_OUT_REWARDS = {"fidelity": fidelity, "judge": judge}
+# v1's general rewards, an opposing pair of pixel statistics: kept for the stress test (docs/shapesbench.md).
+STRESS_GENERAL_REWARDS = {"sharpness": sharpness, "compressibility": compressibility}
+STRESS_REWARDS = {**STRESS_GENERAL_REWARDS, **SPECIALIST_REWARDS}
+REWARDS = {**TRAIN_REWARDS, **HELD_OUT_REWARDS, **STRESS_GENERAL_REWARDS}
+REWARD_NAMES = list(TRAIN_REWARDS)
+EVAL_NAMES = [*TRAIN_REWARDS, *HELD_OUT_REWARDS]
 
 
-def score_all(prompts: list[str], images: torch.Tensor, columns: dict[str, list]) -> dict[str, list[float | None]]:
-    """Every ShapesBench reward on a batch: ``{name: values}``."""
-    return {name: fn(prompts, images, **columns) for name, fn in REWARDS.items()}
+def score_all(
+    prompts: list[str], images: torch.Tensor, columns: dict[str, list], names: Sequence[str] | None = None
+) -> dict[str, list[float | None]]:
+    """ShapesBench rewards on a batch (default: every reward, stress pair included): ``{name: values}``."""
+    return {name: REWARDS[name](prompts, images, **columns) for name in (names or REWARDS)}

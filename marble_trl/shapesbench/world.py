@@ -174,6 +174,25 @@ def prompt_dataset(scenes: list[Scene] | None = None):
     return Dataset.from_dict(data)
 
 
+def train_dataset():
+    """Every caption of the world, repeated so that each prompt family (source) is drawn equally often (the
+    ``shapes`` prompt source)."""
+    scenes = all_scenes()
+    by_family = {f: [s for s in scenes if s.family == f] for f in FAMILIES}
+    most = max(len(v) for v in by_family.values())
+    rows = []
+    for family in FAMILIES:
+        pool = by_family[family]
+        rows += [pool[i % len(pool)] for i in range(most)]
+    return prompt_dataset(rows)
+
+
+def eval_dataset(per_family: int = 12):
+    """The evaluation captions (the ``shapes_eval`` prompt source): :func:`eval_scenes`; the images are held out
+    through their seeds (the world has 76 captions, all of them trained on)."""
+    return prompt_dataset(eval_scenes(per_family))
+
+
 def eval_scenes(per_family: int = 8, seed: int = 1234) -> list[Scene]:
     """A fixed, family-stratified held-out evaluation prompt set (``per_family`` captions of every family; the
     general family has only four captions, which are all used)."""

@@ -1,0 +1,126 @@
+"""ShapesBench v2's rewards: learned judges that no prompt-independent image can game, the held-out fidelity score,
+and the shipped weights (judges and the ``shapes`` base model)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from marble_trl.shapesbench import judges, scorers, shipped, world
+from marble_trl.shapesbench.world import COLORS, render, to_tensor
+
+
+def _world_batch(per_prompt: int = 3, seed: int = 500):
+    scenes = [s for s in world.all_scenes() for _ in range(per_prompt)]
+    images = to_tensor(np.stack([render(s, seed + i) for i, s in enumerate(scenes)]))
+    columns = {c: [s.columns()[c] for s in scenes] for c in world.COLUMNS}
+    return [s.prompt for s in scenes], images, columns
+
+
+def _degenerate(n: int, gen: torch.Generator, fixed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The prompt-independent images a reward hacker reaches for: stripes, flat frames, noise, one fixed image."""
+    ramp = torch.arange(32).float()
+    palette = list(COLORS.values())
+    stripes = []
+    for i in range(n):
+        period = 2 + i % 5
+        line = (ramp // period) % 2
+        mask = (line.view(1, 32) if i % 2 else line.view(32, 1)).expand(32, 32)
+        stripes.append(mask[None] * torch.tensor(palette[i % 4]).view(3, 1, 1) / 255.0)
+    return {
+        "stripes": torch.stack(stripes),
+        "black frame": torch.full((n, 3, 32, 32), 13 / 255),
+        "flat colour": torch.rand(n, 3, 1, 1, generator=gen).expand(n, 3, 32, 32).clone(),
+        "noise": torch.rand(n, 3, 32, 32, generator=gen),
+        "fixed image": fixed.expand(n, 3, 32, 32).clone(),
+    }
+
+
+@pytest.mark.parametrize("name", list(scorers.GENERAL_REWARDS))
+def test_general_rewards_resist_prompt_independent_images(name):
+    prompts, images, columns = _world_batch()
+    truth = float(np.mean(scorers.REWARDS[name](prompts, images, **columns)))
+    gen = torch.Generator().manual_seed(0)
+    for fixed_index in (0, 40, 70):  # a colour, a count and a position scene, drawn for every prompt
+        for label, x in _degenerate(len(prompts), gen, images[fixed_index : fixed_index + 1]).items():
+            score = float(np.mean(scorers.REWARDS[name](prompts, x, **columns)))
+            assert score < truth - 0.2, f"{name}: {label} scores {score:.3f}, the world's own images {truth:.3f}"
+
+
+@pytest.mark.parametrize("name", list(judges.JUDGES))
+def test_judges_prefer_the_true_caption_and_clean_images(name):
+    prompts, images, columns = _world_batch(per_prompt=2)
+    rng = random.Random(0)
+    near = [judges.near_miss(world.Scene(p, f, **_attrs(columns, i)), rng) for i, (p, f) in
+            enumerate(zip(prompts, columns["family"]))]
+    true = np.array(judges.judge_scores(name, prompts, images))
+    wrong = np.array(judges.judge_scores(name, near, images))
+    assert (true > wrong).mean() > 0.8, f"{name}: the true caption wins only {(true > wrong).mean():.0%}"
+    if judges.JUDGES[name].degraded:
+        blurred = judges._blur(images, 5)
+        assert (true > np.array(judges.judge_scores(name, prompts, blurred))).mean() > 0.8
+
+
+def _attrs(columns, i):
+    return {a: columns[a][i] for a in ("shape", "color", "count", "position")}
+
+
+def test_near_miss_changes_exactly_one_attribute():
+    rng = random.Random(1)
+    by_prompt = {s.prompt: s for s in world.all_scenes()}
+    for scene in world.all_scenes():
+        other = by_prompt[judges.near_miss(scene, rng)]
+        if scene.family == "general":
+            assert other.family != "general"
+            continue
+        assert other.family == scene.family
+        diff = [a for a in ("shape", "color", "count", "position") if getattr(a_ := other, a) != getattr(scene, a)]
+        assert len(diff) == 1, (scene.prompt, a_.prompt)
+
+
+def test_judge_scores_are_probabilities_and_deterministic():
+    prompts, images, _ = _world_batch(per_prompt=1)
+    a = judges.judge_scores("preference", prompts, images)
+    b = judges.judge_scores("preference", prompts, images.clone())
+    assert a == b and all(0.0 <= v <= 1.0 for v in a)
+    up = torch.nn.functional.interpolate(images, size=(64, 64), mode="nearest")  # another resolution is resized
+    assert np.allclose(judges.judge_scores("preference", prompts, up), a, atol=0.1)
+
+
+def test_unknown_judge_is_named():
+    with pytest.raises(ValueError, match="unknown judge 'nope'.*alignment"):
+        judges.load_judge("nope")
+
+
+def test_fidelity_ranks_world_above_blur_blobs_stripes_and_empty():
+    prompts, images, columns = _world_batch(per_prompt=1)
+    gen = torch.Generator().manual_seed(3)
+    truth = np.mean(scorers.fidelity(prompts, images))
+    assert truth > 0.85
+    blurred = judges._blur(images, 3)
+    noisy = (images + 0.2 * torch.randn(images.shape, generator=gen)).clamp(0, 1)
+    for label, x in [("blur", blurred), ("noise", noisy), *_degenerate(len(prompts), gen, images[:1]).items()]:
+        if label == "fixed image":
+            continue  # fidelity is prompt-free: a world image is world-like (the judges catch the fixed image)
+        assert np.mean(scorers.fidelity(prompts, x)) < truth - 0.25, label
+    assert scorers.fidelity(prompts[:1], torch.full((1, 3, 32, 32), 13 / 255)) == [0.0]
+
+
+def test_judges_train_deterministically(monkeypatch, tmp_path):
+    """A judge is a pure function of its config: two trainings give bit-identical weights (small config)."""
+    config = judges.JudgeConfig(name="t", seed=5, num_images=64, steps=3, batch_size=8, width=4, embed=8)
+    a, _ = judges.train_judge(config)
+    b, _ = judges.train_judge(config)
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), k
+    assert judges.JudgeConfig(name="t", seed=6).key() != judges.JudgeConfig(name="t", seed=5).key()
+
+
+@pytest.mark.parametrize("name", list(judges.JUDGES))
+def test_shipped_judges_match_their_configs(name):
+    """The package ships every judge under its config hash (no training at test or benchmark time)."""
+    path = judges.judge_file(judges.JUDGES[name])
+    assert path.parent == shipped.WEIGHTS, f"judge {name!r} is not shipped: run `python -m marble_trl.shapesbench ship`"
