@@ -40,6 +40,8 @@ def shapes_model_path() -> Path:
             "`python -m marble_trl.shapesbench ship`."
         )
     return folder
+
+
 _TINY_CHARS = string.ascii_lowercase + string.digits + string.punctuation
 
 

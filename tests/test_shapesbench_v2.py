@@ -54,8 +54,10 @@ def test_general_rewards_resist_prompt_independent_images(name):
 def test_judges_prefer_the_true_caption_and_clean_images(name):
     prompts, images, columns = _world_batch(per_prompt=2)
     rng = random.Random(0)
-    near = [judges.near_miss(world.Scene(p, f, **_attrs(columns, i)), rng) for i, (p, f) in
-            enumerate(zip(prompts, columns["family"]))]
+    near = [
+        judges.near_miss(world.Scene(p, f, **_attrs(columns, i)), rng)
+        for i, (p, f) in enumerate(zip(prompts, columns["family"]))
+    ]
     true = np.array(judges.judge_scores(name, prompts, images))
     wrong = np.array(judges.judge_scores(name, near, images))
     assert (true > wrong).mean() > 0.8, f"{name}: the true caption wins only {(true > wrong).mean():.0%}"
@@ -123,4 +125,6 @@ def test_judges_train_deterministically(monkeypatch, tmp_path):
 def test_shipped_judges_match_their_configs(name):
     """The package ships every judge under its config hash (no training at test or benchmark time)."""
     path = judges.judge_file(judges.JUDGES[name])
-    assert path.parent == shipped.WEIGHTS, f"judge {name!r} is not shipped: run `python -m marble_trl.shapesbench ship`"
+    assert path.parent == shipped.WEIGHTS, (
+        f"judge {name!r} is not shipped: run `python -m marble_trl.shapesbench ship`"
+    )

@@ -28,7 +28,7 @@ import torch
 from ..nft_config import DEFAULT_LORA_TARGETS
 from .methods import Method, StepTimer, all_methods, attach
 from .scorers import REWARD_NAMES, REWARDS, score_all
-from .world import COLUMNS, FAMILIES, all_scenes, eval_scenes, prompt_dataset, train_dataset
+from .world import COLUMNS, all_scenes, eval_scenes, prompt_dataset, train_dataset
 
 # The reference's attention projections, plus proj_out so the tiny model can move colours quickly.
 LORA_TARGETS = [*DEFAULT_LORA_TARGETS, "proj_out"]
@@ -93,7 +93,11 @@ def _config(method: Method, seed: int, budget: Budget, output_dir: str):
         seed=seed,
         **{
             **method.overrides,
-            **({"marble_refresh_interval": budget.refresh_interval} if method.overrides.get("marble_refresh_interval", 1) > 1 else {}),
+            **(
+                {"marble_refresh_interval": budget.refresh_interval}
+                if method.overrides.get("marble_refresh_interval", 1) > 1
+                else {}
+            ),
         },
     )
 

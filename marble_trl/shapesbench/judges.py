@@ -30,7 +30,7 @@ import os
 import random
 import time
 from dataclasses import asdict, dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 import torch
@@ -157,7 +157,7 @@ def near_miss(scene: Scene, rng: random.Random) -> str:
     return rng.choice(_near_misses(scene))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _near_misses(scene: Scene) -> tuple[str, ...]:
     pool = [
         s

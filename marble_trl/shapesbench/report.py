@@ -64,9 +64,7 @@ def _pm(mean: float, sem: float, digits: int = 3) -> str:
     return f"{mean:.{digits}f}" if math.isnan(sem) else f"{mean:.{digits}f} ± {sem:.{digits}f}"
 
 
-def table1(
-    runs: Sequence[dict[str, Any]], stress: bool = False
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def table1(runs: Sequence[dict[str, Any]], stress: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Rows for display (``mean ± sem`` strings) and raw rows (means, sems) of Table 1: every evaluation reward
     (trained and held out), the worst training-reward gain over the base (``worst_gain``) and the composite z-score
     over all of them. ``stress``: the same for the opposing-pair stress test."""

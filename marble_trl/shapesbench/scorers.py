@@ -23,8 +23,11 @@ objects:
   prompt's side in half-widths, ``clip(0.5 + 1.25 d, 0, 1)``, times a presence factor ``min(1, area / 20 px)``) and
   the shape match.
 
-The shape match classifies the largest foreground object by its fill ratio (area / bounding-box area: square 1.0,
-disc 0.78, triangle 0.53 once rasterised): ``clip(1 - |fill - ideal| / 0.2, 0, 1)``, 0 without an object. Like
+The shape match scores the largest foreground object's fill ratio (area / bounding-box area: square 1.0, disc 0.78,
+triangle 0.53 once rasterised) against the asked shape's: ``exp(-((fill - ideal) / 0.12)^2 / 2)``, 0 without an
+object. (v1 used ``clip(1 - |fill - ideal| / 0.2, 0, 1)``: a blob drawn for a square then scored exactly 0, so the
+base model's squares carried no signal at all; the Gaussian is graded everywhere and still ranks the right shape
+first.) Like
 GenEval, the colour and position prompts thus also check the object class, with partial credit per requirement.
 """
 
@@ -117,18 +120,19 @@ def count_components(mask: np.ndarray, min_size: int = MIN_COMPONENT_PX) -> int:
 # Fill ratio (area / bounding-box area) of each drawn shape: a square fills its box, a disc pi/4 of it, a triangle
 # about half (a little more once rasterised).
 SHAPE_FILL = {"square": 1.0, "circle": 0.78, "triangle": 0.53}
-SHAPE_TOLERANCE = 0.2
+SHAPE_TOLERANCE = 0.2  # fidelity's regularity: linear tolerance around the nearest ideal fill
+SHAPE_SIGMA = 0.12  # the specialists' shape match: Gaussian width around the asked shape's fill
 
 
 def shape_match(mask: np.ndarray, shape: str) -> float:
-    """How well the largest foreground object's fill ratio matches ``shape``: ``clip(1 - |fill - ideal| / 0.2, 0,
-    1)``; 0 without an object."""
+    """How well the largest foreground object's fill ratio matches ``shape``: ``exp(-((fill - ideal) / 0.12)^2 /
+    2)``; 0 without an object."""
     found = components(mask)
     if not found:
         return 0.0
     size, bh, bw = found[0]
     fill = size / (bh * bw)
-    return float(np.clip(1.0 - abs(fill - SHAPE_FILL[shape]) / SHAPE_TOLERANCE, 0.0, 1.0))
+    return float(np.exp(-0.5 * ((fill - SHAPE_FILL[shape]) / SHAPE_SIGMA) ** 2))
 
 
 def _applies(family: Sequence[str] | None, i: int, name: str) -> bool:
