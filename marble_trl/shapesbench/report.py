@@ -122,7 +122,7 @@ def learnability(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
     display, raw = [], []
     for name in REWARD_NAMES:
         gains, image_sems = [], []
-        for seed, table in by.items():
+        for table in by.values():
             alone, base = table.get(f"only_{name}"), table.get("base")
             if alone is None or base is None:
                 continue
