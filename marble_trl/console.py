@@ -64,6 +64,8 @@ def reward_summary_lines(log_history: Sequence[dict[str, Any]], prefix: str = "[
     lines = []
     for key in keys:
         (s0, v0), (s1, v1) = first[key], last[key]
+        if s0 == s1 and not _MEAN.match(key):
+            continue  # an evaluation logged once (e.g. eval_before_after's): nothing to compare
         lines.append(f"{prefix} {key}: {_fmt(v0)} (step {s0}) -> {_fmt(v1)} (step {s1}), {v1 - v0:+.4g}")
     return lines
 

@@ -161,8 +161,9 @@ def normalise_ratios(ratios: Mapping[str, float], what: str = "ratios") -> dict[
 
 
 # Built-in prompt sources of the ShapesBench world (with its metadata columns): every caption, each family drawn
-# equally often, and the stratified evaluation captions (docs/shapesbench.md).
-SHAPES_SOURCES = ("shapes", "shapes_eval")
+# equally often; one family's captions; the stratified evaluation captions (docs/shapesbench.md).
+SHAPES_FAMILIES = ("color", "count", "position", "general")
+SHAPES_SOURCES = ("shapes", "shapes_eval", *(f"shapes_{f}" for f in SHAPES_FAMILIES))
 
 
 def load_source(source: PromptSource | str | Mapping):
@@ -175,9 +176,14 @@ def load_source(source: PromptSource | str | Mapping):
     suffix = local.suffix.lstrip(".").lower()
     origin = path
     if path in SHAPES_SOURCES:
-        from .shapesbench.world import eval_dataset, train_dataset
+        from .shapesbench.world import eval_dataset, family_dataset, train_dataset
 
-        dataset = train_dataset() if path == "shapes" else eval_dataset()
+        if path == "shapes":
+            dataset = train_dataset()
+        elif path == "shapes_eval":
+            dataset = eval_dataset()
+        else:
+            dataset = family_dataset(path[len("shapes_") :])
         origin = f"the ShapesBench world ({path})"
     elif path == "bundled" or suffix == "txt":
         dataset = load_prompt_dataset(path)

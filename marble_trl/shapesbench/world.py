@@ -187,6 +187,13 @@ def train_dataset():
     return prompt_dataset(rows)
 
 
+def family_dataset(family: str):
+    """The captions of one prompt family (the ``shapes_<family>`` prompt source)."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown ShapesBench family {family!r}; the world has {FAMILIES}")
+    return prompt_dataset([s for s in all_scenes() if s.family == family])
+
+
 def eval_dataset(per_family: int = 12):
     """The evaluation captions (the ``shapes_eval`` prompt source): :func:`eval_scenes`; the images are held out
     through their seeds (the world has 76 captions, all of them trained on)."""

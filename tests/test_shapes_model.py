@@ -1,0 +1,100 @@
+"""The ``shapes`` model shipped in the package: it loads wherever ``tiny`` does, draws the ShapesBench world at its
+documented base level, and its files are the ones ``MANIFEST.json`` records (rebuilt bit for bit by
+``python -m marble_trl.shapesbench verify-shipped``)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from marble_trl.models import load_sd3_pipeline, shapes_model_path
+from marble_trl.shapesbench import scorers, shipped, world
+from marble_trl.shapesbench.pretrain import PretrainConfig
+
+# Held-out specialist means of the shipped base model with the protocol of `_draw` (docs/shapesbench.md, "The base
+# model"): 12 captions of the family x 4 images, Euler 6 steps, seed 2024.
+BASE_LEVEL = {"color": 0.74, "position": 0.71}
+
+
+def _draw(family: str):
+    scenes = [s for s in world.all_scenes() if s.family == family]
+    scenes = [s for s in random.Random(0).sample(scenes, 12) for _ in range(4)]
+    from marble_trl.export import generate_images
+
+    images = generate_images(
+        "shapes",
+        [s.prompt for s in scenes],
+        seed=2024,
+        num_inference_steps=6,
+        scheduler="euler",
+        resolution=32,
+        max_sequence_length=8,
+        device="cpu",
+    )
+    columns = {c: [s.columns()[c] for s in scenes] for c in world.COLUMNS}
+    return scorers.REWARDS[family]([s.prompt for s in scenes], images, **columns)
+
+
+def test_shapes_loads_like_tiny_and_names_itself():
+    pipe = load_sd3_pipeline("shapes")
+    assert type(pipe).__name__ == "StableDiffusion3Pipeline"
+    assert pipe.name_or_path == "shapes"  # model cards and adapters record the name, not a site-packages path
+    info = json.loads((shapes_model_path() / "shapesbench.json").read_text())
+    assert info["key"] == PretrainConfig().key()  # the shipped model is the default pretraining's
+
+
+@pytest.mark.parametrize("family", sorted(BASE_LEVEL))
+def test_shapes_draws_the_world_at_its_base_level(family):
+    values = _draw(family)
+    mean = float(np.mean(values))
+    sem = float(np.std(values, ddof=1) / np.sqrt(len(values)))
+    # A thresholded score of deterministic images: BLAS differences move it by far less than its s.e.m.
+    assert abs(mean - BASE_LEVEL[family]) < max(0.03, sem), (family, mean, sem)
+
+
+def test_shipped_tensors_match_the_manifest():
+    manifest = json.loads(shipped.MANIFEST.read_text())
+    assert set(manifest) == {"shapes", "alignment", "preference", "judge"}
+    assert shipped.tensor_hashes(shipped.WEIGHTS / "shapes") == manifest["shapes"]["tensors"]
+    from marble_trl.shapesbench.judges import JUDGES, judge_file
+
+    for name, config in JUDGES.items():
+        assert manifest[name]["config_key"] == config.key()
+        assert shipped.tensor_hashes(judge_file(config)) == manifest[name]["tensors"]
+
+
+def test_missing_shapes_model_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.setattr(shipped, "WEIGHTS", tmp_path)
+    with pytest.raises(FileNotFoundError, match="shapes.*marble_trl.shapesbench ship"):
+        load_sd3_pipeline("shapes")
+
+
+def test_shapes_prompt_sources_carry_the_metadata():
+    from marble_trl.sources import load_source
+
+    train = load_source("shapes")
+    assert {"prompt", "family", "color", "shape", "count", "position", "source"} <= set(train.column_names)
+    families = train["family"]
+    assert {f: families.count(f) for f in world.FAMILIES} == {f: 48 for f in world.FAMILIES}
+    assert set(load_source("shapes_position")["family"]) == {"position"}
+    assert len(load_source("shapes_eval")) == 12 * 3 + 4
+    with pytest.raises(ValueError, match="unknown ShapesBench family"):
+        world.family_dataset("nope")
+
+
+def test_shapes_rewards_are_registered():
+    from marble_trl.rewards import available_rewards, get_reward
+
+    names = {f"shapes_{n}" for n in ("alignment", "preference", "color", "count", "position", "fidelity", "judge")}
+    assert names <= set(available_rewards())
+    scenes = [s for s in world.all_scenes() if s.family == "position"][:4]
+    images = world.to_tensor(np.stack([world.render(s, i) for i, s in enumerate(scenes)]))
+    columns = {c: [s.columns()[c] for s in scenes] for c in world.COLUMNS}
+    got = get_reward("shapes_position")([s.prompt for s in scenes], images, **columns)
+    assert got == scorers.position([s.prompt for s in scenes], images, **columns)
+    assert get_reward("shapes_color")([s.prompt for s in scenes], images, **columns) == [None] * 4
+    assert torch.is_tensor(images)
