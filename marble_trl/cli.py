@@ -31,7 +31,10 @@ class MarbleScriptArguments:
 
     model_name_or_path: str = field(
         default="tiny",
-        metadata={"help": "A local diffusers SD3/SD3.5 folder, a Hub id, or 'tiny' (offline tiny model)."},
+        metadata={
+            "help": "A local diffusers SD3/SD3.5 folder, a Hub id, 'tiny' (offline random tiny model) or 'shapes' (the "
+            "ShapesBench base model shipped in the package)."
+        },
     )
     torch_dtype: str = field(
         default="auto",
@@ -41,7 +44,8 @@ class MarbleScriptArguments:
     dataset_name: str = field(
         default="bundled",
         metadata={
-            "help": "Prompts: 'bundled' (the packaged prompt file), a .txt file (one prompt per line), a "
+            "help": "Prompts: 'bundled' (the packaged prompt file), 'shapes' / 'shapes_eval' / 'shapes_<family>' (the "
+            "ShapesBench world, with its metadata columns), a .txt file (one prompt per line), a "
             ".json/.jsonl/.csv/.parquet file or a Hub dataset id with a 'prompt' column."
         },
     )
@@ -80,7 +84,8 @@ class MarbleScriptArguments:
         metadata={
             "help": "Evaluate the base model before training and the trained model after it on eval_dataset_name "
             "(the trainer's evaluation: fixed seeds, eval_reward_funcs, eval_num_images_per_prompt); writes "
-            "eval_before / eval_after ({reward: mean}) into run_summary.json and prints them as a table."
+            "eval_before / eval_after ({reward: mean}) into run_summary.json and prints them as a table. Needs "
+            "eval_dataset_name."
         },
     )
 

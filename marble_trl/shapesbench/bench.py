@@ -59,8 +59,6 @@ def balanced_train_dataset():
     return train_dataset()
 
 
-
-
 def _config(method: Method, seed: int, budget: Budget, output_dir: str):
     from ..nft_config import MarbleDiffusionNFTConfig
 
@@ -69,6 +67,7 @@ def _config(method: Method, seed: int, budget: Budget, output_dir: str):
         output_dir=output_dir,
         report_to="none",
         save_strategy="no",
+        overwrite_output_dir=True,  # a run's record is written only when it completes: a killed run starts over
         disable_tqdm=True,
         logging_steps=1,
         max_steps=budget.steps,
@@ -227,13 +226,20 @@ def run_benchmark(
     pending = [(n, s) for (n, s), p in zip(todo, paths) if not (skip_existing and p.is_file())]
     started = time.perf_counter()
 
+    failed: list[str] = []
+
     def one(item: tuple[str, int]) -> None:
         n, s = item
         t0 = time.perf_counter()
-        if jobs == 0:
-            run_one(catalogue[n], s, budget, model, out_dir)
-        else:
-            _subprocess_run(n, s, budget, model, out_dir, out_dir / "logs" / f"{n}-seed{s}.log")
+        try:
+            if jobs == 0:
+                run_one(catalogue[n], s, budget, model, out_dir)
+            else:
+                _subprocess_run(n, s, budget, model, out_dir, out_dir / "logs" / f"{n}-seed{s}.log")
+        except Exception as error:  # keep going: one failed run must not cancel the others (resume re-runs it)
+            failed.append(f"{n} seed {s}: {error}")
+            print(f"[shapesbench] FAILED {n} seed {s}: {error}", flush=True)
+            return
         print(
             f"[shapesbench] {n} seed {s}: {time.perf_counter() - t0:.0f} s "
             f"(elapsed {time.perf_counter() - started:.0f} s)",
@@ -246,6 +252,8 @@ def run_benchmark(
     else:
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             list(pool.map(one, pending))
+    if failed:
+        raise RuntimeError(f"{len(failed)} run(s) failed (re-run with --skip-existing to retry them): {failed}")
     return paths
 
 
