@@ -236,3 +236,30 @@ def test_pretraining_is_deterministic_and_cached(tmp_path, monkeypatch):
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     assert PretrainConfig(seed=1).key() != PretrainConfig().key()
+
+
+def test_runner_keeps_going_after_a_failed_run(tmp_path, monkeypatch):
+    """One failed run is reported at the end; it does not cancel the runs still pending (ThreadPoolExecutor.map
+    cancels them when a result raises), and seed-0-only runs come after every seed."""
+    from marble_trl.shapesbench import bench
+
+    done = []
+
+    def fake(method, seed, budget, model, out_dir, log):
+        if method == "only_color":
+            raise RuntimeError("boom")
+        done.append((method, seed))
+
+    monkeypatch.setattr(bench, "_subprocess_run", fake)
+    methods = ["only_color", "only_count", "weighted_sum", "marble_plain", "marble"]
+    with pytest.raises(RuntimeError, match=r"2 run\(s\) failed.*only_color seed 0.*boom"):
+        bench.run_benchmark("m", tmp_path, methods=methods, seeds=[0, 1], jobs=1)
+    assert done == [
+        ("only_count", 0),
+        ("weighted_sum", 0),
+        ("marble", 0),
+        ("only_count", 1),
+        ("weighted_sum", 1),
+        ("marble", 1),
+        ("marble_plain", 0),
+    ]
