@@ -38,7 +38,7 @@ pytestmark = [
 ]
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
-RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
+RECIPE = ROOT / "recipes" / "tiny-random.yaml"
 
 
 class SignalAtStep(TrainerCallback):

@@ -14,7 +14,7 @@ from marble_trl.cli import main
 from marble_trl.models import build_tiny_sd3_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
+RECIPE = ROOT / "recipes" / "tiny-random.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -225,3 +225,43 @@ def test_ci_script_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     command = next(line.strip() for line in readme.splitlines() if "pytest" in line and "pip install" in line)
     assert command in ci
+
+
+MAIN_JOB = ROOT / "recipes" / "tiny-cpu.yaml"
+
+
+def test_main_job_recipe_evaluates_before_and_after(tmp_path, capsys):
+    """The README's main job (shortened): MARBLE on the shipped `shapes` model with three ShapesBench rewards, and
+    the held-out evaluation before and after training written into run_summary.json and printed as a table."""
+    out = tmp_path / "main"
+    code = main(
+        [
+            "train",
+            "--config",
+            str(MAIN_JOB),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--eval_num_images_per_prompt",
+            "1",
+            "--sample_grid_prompts",
+            "2",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
+    assert code == 0
+    summary = json.loads((out / "run_summary.json").read_text())
+    names = ["shapes_preference", "shapes_alignment", "shapes_position", "shapes_judge", "shapes_fidelity"]
+    assert list(summary["eval_before"]) == names and list(summary["eval_after"]) == names
+    assert all(0.0 <= v <= 1.0 for v in [*summary["eval_before"].values(), *summary["eval_after"].values()])
+    printed = capsys.readouterr().out
+    assert "held-out eval reward" in printed and "shapes_judge" in printed and "(held out)" in printed
+    assert json.loads((out / "marble_trl.json").read_text())["base_model"] == "shapes"
+    assert (out / "samples_before_after.png").is_file()
+
+
+def test_eval_before_after_needs_eval_prompts(tmp_path):
+    with pytest.raises(ValueError, match="eval_before_after needs held-out prompts: set eval_dataset_name"):
+        main(["train", "--output_dir", str(tmp_path), "--reward_funcs", "brightness", "--eval_before_after", "true"])

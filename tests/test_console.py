@@ -18,7 +18,7 @@ from marble_trl.cli import main
 from marble_trl.console import order_logs, reward_summary_lines
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
+RECIPE = ROOT / "recipes" / "tiny-random.yaml"
 TRAIN = Dataset.from_dict({"prompt": ["a red apple", "a blue car"]})
 
 

@@ -308,7 +308,7 @@ def test_evaluate_command_bad_input(tmp_path, lora_dir):
 def test_train_command_with_a_mixture_and_evaluation(tmp_path):
     from pathlib import Path
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-random.yaml"
     (tmp_path / "plain.txt").write_text("a red apple\na blue car\n", encoding="utf-8")
     rows = [{"caption": "a sign HI", "text": "HI"}, {"caption": "a sign YO", "text": "YO"}]
     (tmp_path / "ocr.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")

@@ -202,7 +202,7 @@ def test_cli_writes_what_it_has_when_training_fails(tmp_path):
         "    if len(calls) == 3:\n        raise RuntimeError('reward server down')\n"
         "    return images.float().mean(dim=(1, 2, 3)).tolist()\n"
     )
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-random.yaml"
     cmd = [sys.executable, "-m", "marble_trl.cli", "train", "--config", str(recipe), "--output_dir", str(out),
            "--reward_funcs", "flaky_reward:flaky", "--max_steps", "5", "--sample_grid_prompts", "0",
            "--save_strategy", "no", "--disable_tqdm", "true"]  # fmt: skip

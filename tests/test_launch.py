@@ -12,7 +12,7 @@ from marble_trl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI_GPU = str(ROOT / "recipes" / "accelerate" / "multi_gpu.yaml")
-RECIPE = str(ROOT / "recipes" / "tiny-cpu.yaml")
+RECIPE = str(ROOT / "recipes" / "tiny-random.yaml")
 
 
 def test_split_launch_args_takes_out_only_the_launcher_flags():

@@ -30,7 +30,7 @@ import yaml
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "tiny-cpu.yaml"
+RECIPE = ROOT / "recipes" / "tiny-random.yaml"
 ACCELERATE = ROOT / "recipes" / "accelerate"
 LORA = "pytorch_lora_weights.safetensors"
 # 3 steps: MARBLE refreshes at steps 0 and 2 (per-reward gradients + QP), an amortised step between; the refresh

@@ -182,7 +182,7 @@ def test_reward_chart_is_written_or_skipped_with_a_note(tmp_path, monkeypatch, c
 def test_train_command_captions_the_before_after_sheet(tmp_path):
     from marble_trl.cli import main
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu.yaml"
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny-random.yaml"
     (tmp_path / "p.txt").write_text("a red apple\na blue car\n", encoding="utf-8")
     out = tmp_path / "run"
     argv = ["train", "--config", str(recipe), "--output_dir", str(out), "--max_steps", "1", "--disable_tqdm", "true"]
