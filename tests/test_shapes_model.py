@@ -98,3 +98,29 @@ def test_shapes_rewards_are_registered():
     assert got == scorers.position([s.prompt for s in scenes], images, **columns)
     assert get_reward("shapes_color")([s.prompt for s in scenes], images, **columns) == [None] * 4
     assert torch.is_tensor(images)
+
+
+def test_ship_then_verify_reproduces_bit_for_bit(tmp_path, monkeypatch):
+    """`ship` then `verify-shipped` on tiny configs: a rebuild from scratch matches the manifest, and a manifest that
+    does not match the files is reported by name."""
+    import functools
+
+    from marble_trl.shapesbench import judges, pretrain
+
+    monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(shipped, "WEIGHTS", tmp_path / "weights")
+    monkeypatch.setattr(shipped, "MANIFEST", tmp_path / "weights" / "MANIFEST.json")
+    tiny = dict(num_images=32, vae_steps=2, steps=2, warmup_steps=1, batch_size=4, vae_batch_size=4, num_layers=1)
+    monkeypatch.setattr(pretrain, "PretrainConfig", functools.partial(pretrain.PretrainConfig, heads=2, **tiny))
+    small = dict(num_images=16, steps=2, batch_size=4, width=4, embed=8)
+    monkeypatch.setattr(
+        judges, "JUDGES", {n: judges.JudgeConfig(name=n, seed=i, **small) for i, n in enumerate(judges.JUDGES)}
+    )
+    shipped.ship(quiet=True)
+    assert (tmp_path / "weights" / "shapes" / "model_index.json").is_file()
+    assert shipped.verify_shipped(quiet=True) == []
+    manifest = json.loads(shipped.MANIFEST.read_text())
+    key = next(iter(manifest["judge"]["tensors"]))
+    manifest["judge"]["tensors"][key] = "0" * 64
+    shipped.MANIFEST.write_text(json.dumps(manifest))
+    assert shipped.verify_shipped(quiet=True) == ["judge"]
