@@ -253,7 +253,7 @@ def test_main_job_recipe_evaluates_before_and_after(tmp_path, capsys):
     )
     assert code == 0
     summary = json.loads((out / "run_summary.json").read_text())
-    names = ["shapes_preference", "shapes_alignment", "shapes_position", "shapes_judge", "shapes_fidelity"]
+    names = ["shapes_preference", "shapes_alignment", "shapes_count", "shapes_judge", "shapes_fidelity"]
     assert list(summary["eval_before"]) == names and list(summary["eval_after"]) == names
     assert all(0.0 <= v <= 1.0 for v in [*summary["eval_before"].values(), *summary["eval_after"].values()])
     printed = capsys.readouterr().out
