@@ -171,6 +171,25 @@ def test_old_policy_runs_the_old_weights(transformer):
         torch.testing.assert_close(forward(transformer, inputs), default, rtol=0, atol=0)
 
 
+def test_cached_switch_follows_a_new_adapter(tiny_pipeline, transformer):
+    """The cached adapter switch is rebuilt when the set of adapters changes: a third adapter added after the first
+    switch is disabled by use_reference too, and the trainable flags stay those of the trained adapter."""
+    with use_old_policy(transformer):
+        pass  # builds the cache on two adapters
+    from peft import LoraConfig
+
+    transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["attn.to_q"]), adapter_name="third")
+    perturb(lora_parameters(transformer, "third"), seed=11)
+    perturb(lora_parameters(transformer, TRAIN_ADAPTER), seed=12)
+    transformer.set_adapter(TRAIN_ADAPTER)
+    inputs = model_inputs(transformer, seed=13)
+    with use_reference(transformer):
+        ref = forward(transformer, inputs)
+    torch.testing.assert_close(ref, forward(tiny_pipeline.transformer, inputs), rtol=1e-6, atol=1e-6)
+    trainable = {n for n, p in transformer.named_parameters() if p.requires_grad}
+    assert trainable == set(lora_parameters(transformer, TRAIN_ADAPTER))
+
+
 # ---------------------------------------------------------------- soft update
 
 
