@@ -47,16 +47,10 @@ class Budget:
     lora_r: int = 8
     beta: float = 1e-4  # the paper's KL weight
     nft_beta: float = 1.0
-    refresh_interval: int = 10  # the paper's N (MARBLE's rho stays at its default, the paper's 0.7)
     eval_per_family: int = 12
     eval_images_per_prompt: int = 24
     eval_seed: int = 12345
     threads: int = 1
-
-
-def balanced_train_dataset():
-    """Every caption, each family equally often (:func:`marble_trl.shapesbench.world.train_dataset`)."""
-    return train_dataset()
 
 
 def _config(method: Method, seed: int, budget: Budget, output_dir: str):
@@ -87,14 +81,7 @@ def _config(method: Method, seed: int, budget: Budget, output_dir: str):
         timestep_fraction=budget.timestep_fraction,
         use_cpu=True,
         seed=seed,
-        **{
-            **method.overrides,
-            **(
-                {"marble_refresh_interval": budget.refresh_interval}
-                if method.overrides.get("marble_refresh_interval", 1) > 1
-                else {}
-            ),
-        },
+        **method.overrides,
     )
 
 
@@ -272,4 +259,4 @@ def worker_main(argv: Sequence[str]) -> None:
     run_one(all_methods()[args.method], args.seed, budget, args.model, Path(args.out))
 
 
-__all__ = ["Budget", "REWARD_NAMES", "balanced_train_dataset", "evaluate", "run_benchmark", "run_one"]
+__all__ = ["Budget", "REWARD_NAMES", "evaluate", "run_benchmark", "run_one"]

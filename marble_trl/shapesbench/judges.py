@@ -178,53 +178,56 @@ def train_judge(config: JudgeConfig, quiet: bool = True) -> tuple[JudgeNet, dict
     torch.set_num_threads(config.threads)
     start = time.perf_counter()
     try:
-        torch.manual_seed(config.seed)
-        gen = torch.Generator().manual_seed(config.seed)
-        scenes, images = sample_corpus(config.num_images, seed=1000 + config.seed)
-        grad = torch.enable_grad()  # a judge may be built on first use, from inside a no-grad scorer
-        grad.__enter__()
-        pixels = to_tensor(images)
-        prompts = [s.prompt for s in scenes]
-        captions = sorted({s.prompt for s in all_scenes()})
-        net = JudgeNet(config.width, config.embed)
-        opt = torch.optim.AdamW(net.parameters(), lr=config.lr, weight_decay=1e-4)
-        pyrng = random.Random(config.seed)
-        losses: list[float] = []
-        for step in range(config.steps):
-            lr = config.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * step / config.steps)))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            idx = torch.randint(len(pixels), (config.batch_size,), generator=gen).tolist()
-            x = pixels[idx]
-            own = [prompts[i] for i in idx]
-            other = [
-                near_miss(scenes[i], pyrng) if pyrng.random() < config.hard_negatives else pyrng.choice(captions)
-                for i in idx
-            ]
-            other = [o if o != p else captions[(captions.index(o) + 1) % len(captions)] for o, p in zip(other, own)]
-            batch_x, batch_p, labels = [x, x], own + other, [1.0] * len(idx) + [0.0] * len(idx)
-            if config.degraded:
-                batch_x.append(degrade(x, gen, config.degrade_strength))
-                batch_p += own
-                labels += [0.0] * len(idx)
-            ids, offsets = tokenize(batch_p)
-            logits = net(torch.cat(batch_x), ids, offsets)
-            target = torch.tensor(labels)
-            weight = torch.where(target > 0, float(len(batch_x) - 1), 1.0)  # positives balance the negatives
-            loss = nn.functional.binary_cross_entropy_with_logits(logits, target, weight=weight)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-            if not quiet and (step % 250 == 0 or step == config.steps - 1):
-                print(f"[shapesbench judge {config.name}] step {step}/{config.steps} loss {loss.item():.4f}")
-        grad.__exit__(None, None, None)
+        with torch.enable_grad():  # a judge may be built on first use, from inside a no-grad scorer
+            net, losses = _fit(config, quiet)
     finally:
         torch.set_num_threads(threads)
         torch.random.set_rng_state(rng_state)
     net.eval().requires_grad_(False)
     stats = {"loss": sum(losses[-100:]) / len(losses[-100:]), "seconds": time.perf_counter() - start}
     return net, stats
+
+
+def _fit(config: JudgeConfig, quiet: bool) -> tuple[JudgeNet, list[float]]:
+    torch.manual_seed(config.seed)
+    gen = torch.Generator().manual_seed(config.seed)
+    scenes, images = sample_corpus(config.num_images, seed=1000 + config.seed)
+    pixels = to_tensor(images)
+    prompts = [s.prompt for s in scenes]
+    captions = sorted({s.prompt for s in all_scenes()})
+    net = JudgeNet(config.width, config.embed)
+    opt = torch.optim.AdamW(net.parameters(), lr=config.lr, weight_decay=1e-4)
+    pyrng = random.Random(config.seed)
+    losses: list[float] = []
+    for step in range(config.steps):
+        lr = config.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * step / config.steps)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        idx = torch.randint(len(pixels), (config.batch_size,), generator=gen).tolist()
+        x = pixels[idx]
+        own = [prompts[i] for i in idx]
+        other = [
+            near_miss(scenes[i], pyrng) if pyrng.random() < config.hard_negatives else pyrng.choice(captions)
+            for i in idx
+        ]
+        other = [o if o != p else captions[(captions.index(o) + 1) % len(captions)] for o, p in zip(other, own)]
+        batch_x, batch_p, labels = [x, x], own + other, [1.0] * len(idx) + [0.0] * len(idx)
+        if config.degraded:
+            batch_x.append(degrade(x, gen, config.degrade_strength))
+            batch_p += own
+            labels += [0.0] * len(idx)
+        ids, offsets = tokenize(batch_p)
+        logits = net(torch.cat(batch_x), ids, offsets)
+        target = torch.tensor(labels)
+        weight = torch.where(target > 0, float(len(batch_x) - 1), 1.0)  # positives balance the negatives
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, target, weight=weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if not quiet and (step % 250 == 0 or step == config.steps - 1):
+            print(f"[shapesbench judge {config.name}] step {step}/{config.steps} loss {loss.item():.4f}")
+    return net, losses
 
 
 def _cache_dir() -> Path:

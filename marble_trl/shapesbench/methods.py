@@ -64,6 +64,7 @@ class Method:
 def all_methods(rewards: tuple[str, ...] = tuple(REWARD_NAMES)) -> dict[str, Method]:
     """Every method of the benchmark, keyed by name (specialists first)."""
     weighted = {"multi_objective_aggregation": "sum_then_normalize", "log_update_cosines": True}
+    # the paper's N = 10 (rho stays at the config's default, the paper's 0.7)
     marble = {"multi_objective_aggregation": "marble", "marble_refresh_interval": 10}
     methods = [Method(f"only_{r}", (r,), family=r if r in SPECIALIST_REWARDS else None) for r in rewards]
     stress = tuple(STRESS_REWARDS)

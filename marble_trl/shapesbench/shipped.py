@@ -94,18 +94,11 @@ def verify_shipped(quiet: bool = False) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["MARBLE_TRL_CACHE"] = tmp
         try:
-            built = {}
             from .pretrain import PretrainConfig, pretrain
 
-            built["shapes"] = pretrain(PretrainConfig(), force=True, quiet=quiet)
+            built = {"shapes": pretrain(PretrainConfig(), force=True, quiet=quiet)}
             for name, config in judges.JUDGES.items():
-                path = judges._cache_dir() / f"{name}-{config.key()}.safetensors"
-                net, _ = judges.train_judge(config, quiet=quiet)
-                from safetensors.torch import save_file
-
-                path.parent.mkdir(parents=True, exist_ok=True)
-                save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
-                built[name] = path
+                built[name] = judges.build_judge(config, force=True, quiet=quiet)
             got = manifest(built)
         finally:
             if old is None:
