@@ -237,7 +237,8 @@ def _final_eval(trainer, prefix: str) -> dict[str, float]:
 
 
 def eval_table_lines(before: dict[str, float], after: dict[str, float], trained: list[str]) -> list[str]:
-    """The held-out before/after table printed at the end of a run (``*``: a reward trained on)."""
+    """The before/after table of the held-out evaluation printed at the end of a run; rewards not in ``trained``
+    are marked ``(held out)``."""
     width = max(len(n) for n in before) + 2
     lines = [f"[marble-trl] held-out eval {'reward':<{width}} {'before':>8} {'after':>8} {'change':>8}"]
     for name, b in before.items():

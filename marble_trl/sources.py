@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from .shapesbench.world import FAMILIES
+
 SOURCE_COLUMN = "source"
 FILE_FORMATS = {"json": "json", "jsonl": "json", "csv": "csv", "parquet": "parquet"}
 
@@ -162,8 +164,7 @@ def normalise_ratios(ratios: Mapping[str, float], what: str = "ratios") -> dict[
 
 # Built-in prompt sources of the ShapesBench world (with its metadata columns): every caption, each family drawn
 # equally often; one family's captions; the stratified evaluation captions (docs/shapesbench.md).
-SHAPES_FAMILIES = ("color", "count", "position", "general")
-SHAPES_SOURCES = ("shapes", "shapes_eval", *(f"shapes_{f}" for f in SHAPES_FAMILIES))
+SHAPES_SOURCES = ("shapes", "shapes_eval", *(f"shapes_{f}" for f in FAMILIES))
 
 
 def load_source(source: PromptSource | str | Mapping):
