@@ -11,7 +11,6 @@ noise (every reward scored on every image, ``None`` where it does not apply). Ru
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import subprocess
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from ..nft_config import DEFAULT_LORA_TARGETS
+from ..scores import mean_sem
 from .methods import Method, StepTimer, all_methods, attach
 from .scorers import REWARD_NAMES, REWARDS, score_all
 from .world import COLUMNS, eval_scenes, family_dataset, train_dataset
@@ -100,10 +100,7 @@ def evaluate(trainer: Any, budget: Budget, use_lora: bool = True, batch: int = 1
     scores = score_all(prompts, images, columns)
     means, sems = {}, {}
     for name, values in scores.items():
-        xs = [v for v in values if v is not None]
-        means[name] = sum(xs) / len(xs) if xs else math.nan
-        var = sum((x - means[name]) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else math.nan
-        sems[name] = math.sqrt(var / len(xs)) if xs else math.nan
+        means[name], sems[name], _ = mean_sem(values)
     return {"scores": means, "sems": sems, "num_images": len(prompts), "images": images}
 
 

@@ -23,7 +23,6 @@ Judges are cached under ``~/.cache/marble_trl/shapesbench/judges/<config hash>.s
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -61,8 +60,10 @@ class JudgeConfig:
     threads: int = 1
 
     def key(self) -> str:
-        blob = json.dumps({**asdict(self), "format": FORMAT_VERSION}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+        """A short hash of the config (and the format version): the judge's file name."""
+        from .pretrain import config_key
+
+        return config_key(self, FORMAT_VERSION)
 
 
 JUDGES: dict[str, JudgeConfig] = {

@@ -53,8 +53,13 @@ class PretrainConfig:
 
     def key(self) -> str:
         """A short hash of the config (and the format version): the cache folder name."""
-        blob = json.dumps({**asdict(self), "format": FORMAT_VERSION}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+        return config_key(self, FORMAT_VERSION)
+
+
+def config_key(config, format_version: int) -> str:
+    """A short hash of a config dataclass and its file format version: the name of what it builds."""
+    blob = json.dumps({**asdict(config), "format": format_version}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def cache_root() -> Path:
