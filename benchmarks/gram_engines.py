@@ -24,12 +24,12 @@ from diffusers import SD3Transformer2DModel
 from peft import LoraConfig
 
 try:
-    from marble_trl.balance.gram import make_gradient_engine
+    from marble_trl.balance.engines import make_gradient_engine
     from marble_trl.models import predict_velocity
     from marble_trl.nft import nft_loss_terms
 except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from marble_trl.balance.gram import make_gradient_engine
+    from marble_trl.balance.engines import make_gradient_engine
     from marble_trl.models import predict_velocity
     from marble_trl.nft import nft_loss_terms
 

@@ -4,7 +4,7 @@ __version__ = "0.1.0.dev0"
 
 from .models import build_tiny_sd3_pipeline, load_sd3_pipeline, save_tiny_sd3_pipeline
 from .nft_config import MarbleDiffusionNFTConfig
-from .nft_trainer import MarbleDiffusionNFTTrainer
+from .trainer import MarbleDiffusionNFTTrainer
 
 __all__ = [
     "MarbleDiffusionNFTConfig",

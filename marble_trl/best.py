@@ -24,7 +24,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 if TYPE_CHECKING:
-    from .nft_trainer import MarbleDiffusionNFTTrainer
+    from .trainer import MarbleDiffusionNFTTrainer
 
 logger = logging.getLogger(__name__)
 TRAINER_STATE_NAME = "trainer_state.json"

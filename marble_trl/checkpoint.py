@@ -40,33 +40,30 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from .artifacts import (
+    BALANCER_FILE,
+    EMA_FILE,
+    LORA_FILE,
+    LORA_KEY_PREFIX,
+    MANIFEST_FILE,
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    OLD_POLICY_FILE,
+    STAGING_PREFIX,
+    lora_key,
+)
 from .data import GroupSampler
 from .lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
 from .output_dir import OutputDirLock, check_not_overwriting
 from .resume import DATASET_KEY, check_resume_config, dataset_fingerprint, resolve_resume
 
 if TYPE_CHECKING:
-    from .nft_trainer import MarbleDiffusionNFTTrainer
+    from .trainer import MarbleDiffusionNFTTrainer
 
 logger = logging.getLogger(__name__)
 
-LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE, written by the trainer's _save
-OLD_POLICY_FILE = "old_policy_lora.safetensors"
-EMA_FILE = "param_ema.safetensors"
-BALANCER_FILE = "marble_balancer.json"
-MANIFEST_FILE = "marble_checkpoint.json"
-MANIFEST_FORMAT = "marble_trl.checkpoint"
-MANIFEST_VERSION = 1
-STAGING_PREFIX = "tmp-"  # "tmp-checkpoint-N" does not match the Trainer's "checkpoint-*" glob nor its regex
-_KEY_PREFIX = "transformer."
-
 
 # ---------------------------------------------------------------------------------------------- LoRA tensors <-> files
-def lora_key(param_name: str, adapter: str) -> str:
-    """diffusers' key of a LoRA parameter: ``a.lora_A.<adapter>.weight`` -> ``transformer.a.lora_A.weight``."""
-    return _KEY_PREFIX + param_name.replace(f".{adapter}.", ".")
-
-
 def adapter_state(transformer: torch.nn.Module, adapter: str) -> dict[str, torch.Tensor]:
     """One adapter's tensors under diffusers keys (contiguous CPU copies)."""
     return {
@@ -101,7 +98,7 @@ def load_adapter_state(transformer: torch.nn.Module, adapter: str, path: str | o
 
 def save_lora_file(trainer: MarbleDiffusionNFTTrainer, folder: str | os.PathLike, layers: dict, weight_name: str):
     """Write ``layers`` (diffusers keys, with the ``transformer.`` prefix) like the trainer's own LoRA file."""
-    unprefixed = {k[len(_KEY_PREFIX) :]: v for k, v in layers.items()}
+    unprefixed = {k[len(LORA_KEY_PREFIX) :]: v for k, v in layers.items()}
     type(trainer.pipeline).save_lora_weights(
         str(folder),
         transformer_lora_layers=unprefixed,

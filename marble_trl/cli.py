@@ -155,8 +155,8 @@ def _resolve_dtype(name: str, training_args: MarbleDiffusionNFTConfig):
 def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTConfig) -> dict:
     """Run one training job; writes the LoRA, ``metrics.jsonl`` and ``samples_before_after.png`` to ``output_dir``."""
     from .models import load_sd3_pipeline
-    from .nft_trainer import MarbleDiffusionNFTTrainer
     from .samples import save_before_after, score_images
+    from .trainer import MarbleDiffusionNFTTrainer
 
     if not script_args.reward_funcs:
         raise ValueError("reward_funcs is empty: name at least one reward (e.g. --reward_funcs brightness).")

@@ -31,13 +31,13 @@ from typing import Any
 
 import torch
 
+from .artifacts import EVAL_SETTINGS_FILE, LORA_FILE, PEFT_WEIGHTS_FILE
 from .scores import composite_zscores, markdown_table, mean_sem, write_csv
 from .seeding import derived_seed
 
 logger = logging.getLogger(__name__)
 
 SCORES_FILE = "scores.jsonl"
-SETTINGS_FILE = "settings.json"
 GRID_FILE = "grid.png"
 COMPARISON_FILE = "comparison.png"
 REWARD_CHART_FILE = "rewards.png"
@@ -64,7 +64,7 @@ def generate_eval_images(
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Images ``[B, 3, H, W]`` in ``[0, 1]`` for ``prompts``, image ``j`` from noise seeded with ``seeds[j]``."""
-    from .rollout import decode_latents, encode_prompts, sample_latents
+    from .models import decode_latents, encode_prompts, sample_latents
 
     device = torch.device(device) if device is not None else pipeline.transformer.device
     embeds = encode_prompts(pipeline, prompts, max_sequence_length, device)
@@ -219,7 +219,7 @@ def _read_scores(path: Path) -> dict[tuple[int, int], dict[str, Any]]:
 
 
 def _check_settings(folder: Path, settings: dict[str, Any]) -> None:
-    path = folder / SETTINGS_FILE
+    path = folder / EVAL_SETTINGS_FILE
     if path.is_file():
         old = json.loads(path.read_text(encoding="utf-8"))
         if old != settings:
@@ -251,7 +251,7 @@ def evaluate_models(
     from tqdm.auto import tqdm
 
     from .data import check_prompt_dataset
-    from .export import DIFFUSERS_WEIGHTS, PEFT_WEIGHTS, read_sampling_settings
+    from .export import read_sampling_settings
     from .models import load_sd3_pipeline
     from .rewards import resolve_reward_funcs, reward_name, score_rewards
     from .rewards.images import to_pil
@@ -316,13 +316,13 @@ def evaluate_models(
                 scheduler = make_scheduler(settings.scheduler, pipe.scheduler)
             if spec.lora is not None:
                 lora_dir = Path(spec.lora)
-                if spec.weight_name is None and not (lora_dir / DIFFUSERS_WEIGHTS).is_file():
+                if spec.weight_name is None and not (lora_dir / LORA_FILE).is_file():
                     hint = (
                         " It holds a PEFT-format LoRA; export it with --format diffusers."
-                        if (lora_dir / PEFT_WEIGHTS).is_file()
+                        if (lora_dir / PEFT_WEIGHTS_FILE).is_file()
                         else ""
                     )
-                    raise FileNotFoundError(f"--lora {lora_dir} has no {DIFFUSERS_WEIGHTS}.{hint}")
+                    raise FileNotFoundError(f"--lora {lora_dir} has no {LORA_FILE}.{hint}")
                 pipe.load_lora_weights(str(lora_dir), weight_name=spec.weight_name)
             res = resolution or pipe.default_sample_size * pipe.vae_scale_factor
             images_dir.mkdir(parents=True, exist_ok=True)

@@ -23,10 +23,18 @@ from typing import Any
 
 import torch
 
-from .checkpoint import MANIFEST_FILE, read_manifest
-from .hub import (
+from .artifacts import (
     EXPORT_CONFIG_FILE,
+    LORA_FILE,
+    LORA_KEY_PREFIX,
+    MANIFEST_FILE,
+    MODEL_CARD_FILE,
+    PEFT_CONFIG_FILE,
+    PEFT_WEIGHTS_FILE,
     SAMPLES_DIR,
+)
+from .checkpoint import read_manifest
+from .hub import (
     card_info_from_checkpoint,
     read_export_config,
     save_samples,
@@ -35,9 +43,6 @@ from .hub import (
 )
 
 FORMATS = ("diffusers", "peft")
-DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"
-PEFT_WEIGHTS = "adapter_model.safetensors"
-_PREFIX = "transformer."
 
 
 # -------------------------------------------------------------------------------------------------- LoRA files
@@ -54,7 +59,7 @@ def read_lora_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], di
         raise ValueError(
             f"{path} has no LoRA adapter metadata (lora_alpha would be lost); re-save it with marble_trl."
         )
-    config = {k[len(_PREFIX) :]: v for k, v in json.loads(raw).items() if k.startswith(_PREFIX)}
+    config = {k[len(LORA_KEY_PREFIX) :]: v for k, v in json.loads(raw).items() if k.startswith(LORA_KEY_PREFIX)}
     return load_file(str(path)), config
 
 
@@ -63,10 +68,10 @@ def write_diffusers_lora(folder: Path, tensors: dict[str, torch.Tensor], lora_co
 
     StableDiffusion3Pipeline.save_lora_weights(
         str(folder),
-        transformer_lora_layers={k[len(_PREFIX) :]: v for k, v in tensors.items()},
+        transformer_lora_layers={k[len(LORA_KEY_PREFIX) :]: v for k, v in tensors.items()},
         transformer_lora_adapter_metadata=lora_config,
     )
-    return folder / DIFFUSERS_WEIGHTS
+    return folder / LORA_FILE
 
 
 def write_peft_lora(
@@ -82,9 +87,9 @@ def write_peft_lora(
     config = LoraConfig(**{k: v for k, v in lora_config.items() if k in names and k != "peft_type"})
     config.base_model_name_or_path = base_model
     config.save_pretrained(str(folder))
-    weights = {"base_model.model." + k[len(_PREFIX) :]: v.contiguous() for k, v in tensors.items()}
-    save_file(weights, str(folder / PEFT_WEIGHTS), metadata={"format": "pt"})
-    return folder / PEFT_WEIGHTS
+    weights = {"base_model.model." + k[len(LORA_KEY_PREFIX) :]: v.contiguous() for k, v in tensors.items()}
+    save_file(weights, str(folder / PEFT_WEIGHTS_FILE), metadata={"format": "pt"})
+    return folder / PEFT_WEIGHTS_FILE
 
 
 # -------------------------------------------------------------------------------------------------- generation
@@ -128,7 +133,7 @@ def generate_images(
     )
     if lora is not None:
         folder = Path(lora)
-        if weight_name is None and not (folder / DIFFUSERS_WEIGHTS).is_file() and (folder / PEFT_WEIGHTS).is_file():
+        if weight_name is None and not (folder / LORA_FILE).is_file() and (folder / PEFT_WEIGHTS_FILE).is_file():
             raise ValueError(
                 f"{folder} holds a PEFT-format LoRA; `load_lora_weights` needs the diffusers format "
                 "(marble-trl export --format diffusers)."
@@ -180,7 +185,7 @@ def generate_to_folder(model: str, prompts: list[str], output: str | os.PathLike
 
 # -------------------------------------------------------------------------------------------------- export
 # What an export folder holds: the only entries `overwrite` may replace.
-EXPORT_ENTRIES = {DIFFUSERS_WEIGHTS, PEFT_WEIGHTS, "adapter_config.json", EXPORT_CONFIG_FILE, "README.md", SAMPLES_DIR}
+EXPORT_ENTRIES = {LORA_FILE, PEFT_WEIGHTS_FILE, PEFT_CONFIG_FILE, EXPORT_CONFIG_FILE, MODEL_CARD_FILE, SAMPLES_DIR}
 
 
 def read_run_folder(folder: str | os.PathLike, ema: bool = False) -> dict[str, Any]:
@@ -194,9 +199,9 @@ def read_run_folder(folder: str | os.PathLike, ema: bool = False) -> dict[str, A
         raise FileNotFoundError(f"{str(folder)!r} does not exist.")
     config = read_export_config(folder)
     if (folder / MANIFEST_FILE).is_file() or not config:
-        if not config and not (folder / MANIFEST_FILE).is_file() and (folder / DIFFUSERS_WEIGHTS).is_file():
+        if not config and not (folder / MANIFEST_FILE).is_file() and (folder / LORA_FILE).is_file():
             raise ValueError(
-                f"{folder} has {DIFFUSERS_WEIGHTS} but neither {MANIFEST_FILE} (a checkpoint) nor {EXPORT_CONFIG_FILE} "
+                f"{folder} has {LORA_FILE} but neither {MANIFEST_FILE} (a checkpoint) nor {EXPORT_CONFIG_FILE} "
                 "(a run's output_dir): it was not written by marble_trl."
             )
         manifest = read_manifest(folder)  # the clear error for other folders (tmp-checkpoint-N, ...)
@@ -210,9 +215,9 @@ def read_run_folder(folder: str | os.PathLike, ema: bool = False) -> dict[str, A
             "checkpoints. Export --ema from a checkpoint-N folder (a run with param_ema=True and save_strategy "
             "'steps' or 'epoch')."
         )
-    if not (folder / DIFFUSERS_WEIGHTS).is_file():
-        raise ValueError(f"{folder} has {EXPORT_CONFIG_FILE} but no {DIFFUSERS_WEIGHTS} (the diffusers-format LoRA).")
-    return {"kind": "run", "lora": folder / DIFFUSERS_WEIGHTS}
+    if not (folder / LORA_FILE).is_file():
+        raise ValueError(f"{folder} has {EXPORT_CONFIG_FILE} but no {LORA_FILE} (the diffusers-format LoRA).")
+    return {"kind": "run", "lora": folder / LORA_FILE}
 
 
 def export_checkpoint(

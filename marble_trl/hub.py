@@ -22,16 +22,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import BALANCER_FILE, LORA_FILE, MANIFEST_FILE, base_model_name, read_manifest
+from .artifacts import (
+    BALANCER_FILE,
+    EXPORT_CONFIG_FILE,
+    LORA_FILE,
+    MANIFEST_FILE,
+    METRICS_FILE,
+    PUSH_IGNORE,
+    SAMPLES_DIR,
+    TRAINER_STATE_FILE,
+)
+from .checkpoint import base_model_name, read_manifest
 
 if TYPE_CHECKING:
-    from .nft_trainer import MarbleDiffusionNFTTrainer
+    from .trainer import MarbleDiffusionNFTTrainer
 
 CARD_TAGS = ["diffusers", "lora", "text-to-image", "trl", "marble", "diffusion-nft"]
-EXPORT_CONFIG_FILE = "marble_trl.json"  # sampling settings and provenance; read by `marble-trl generate`
-SAMPLES_DIR = "samples"
-# Never pushed: checkpoints (and interrupted saves), private files, the pickled TrainingArguments.
-PUSH_IGNORE = ["_*", "checkpoint-*", "tmp-*", "training_args.bin", ".marble_trl.lock"]
 
 MARBLE_CITATION = """@article{marble2026,
   title   = {{MARBLE}: Multi-Aspect Reward Balance for Diffusion {RL}},
@@ -174,7 +180,7 @@ def card_info_from_checkpoint(folder: str | os.PathLike, **overrides) -> CardInf
 
 
 def _log_history(folder: Path) -> list[dict[str, Any]]:
-    state_file, metrics = folder / "trainer_state.json", folder / "metrics.jsonl"
+    state_file, metrics = folder / TRAINER_STATE_FILE, folder / METRICS_FILE
     if state_file.is_file():
         return json.loads(state_file.read_text(encoding="utf-8"))["log_history"]
     if metrics.is_file():  # written by `marble-trl train` next to the final LoRA

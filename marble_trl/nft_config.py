@@ -11,22 +11,12 @@ import torch
 
 from ._trl import BaseConfig
 from .advantages import SCALE_REWARDS
+from .models.sd3 import DEFAULT_LORA_TARGETS
 from .nft import DECAY_TYPES
 
 AGGREGATIONS = ("auto", "marble", "sum_then_normalize", "normalize_then_sum")
 WEIGHTED_SUM_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # reward_weights enter the advantages
 logger = logging.getLogger(__name__)
-SAMPLER_ALIASES = ("euler", "heun", "dpm2", "dpm2_diffusers")
-DEFAULT_LORA_TARGETS = [
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-]
 
 
 @dataclass

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-logger = logging.getLogger(__name__)
+from .artifacts import LOCK_FILE
 
-LOCK_FILE = ".marble_trl.lock"
+logger = logging.getLogger(__name__)
 
 
 class OutputDirLockedError(RuntimeError):

@@ -27,7 +27,7 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 if TYPE_CHECKING:
-    from .nft_trainer import MarbleDiffusionNFTTrainer
+    from .trainer import MarbleDiffusionNFTTrainer
 
 logger = logging.getLogger(__name__)
 

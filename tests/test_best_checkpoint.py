@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from transformers import EarlyStoppingCallback
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
+from marble_trl.artifacts import LORA_FILE, lora_key
 from marble_trl.best import composite
-from marble_trl.checkpoint import LORA_FILE, lora_key
 from marble_trl.lora import TRAIN_ADAPTER, lora_parameters
 
 TRAIN = Dataset.from_dict({"prompt": ["a red apple", "a blue car", "a green frog", "a white cat"]})

@@ -98,7 +98,7 @@ def test_every_script_argument_is_documented():
 
 
 def test_every_logged_metric_is_documented():
-    source = (ROOT / "marble_trl" / "nft_trainer.py").read_text(encoding="utf-8")
+    source = "\n".join(p.read_text(encoding="utf-8") for p in sorted((ROOT / "marble_trl" / "trainer").glob("*.py")))
     # Keys of self._metrics, directly or through the per-micro-batch `sums` dict of training_step.
     names = set(re.findall(r"(?:_metrics|sums)\[f?\"([^\"]+)\"\]", source))
     assert {"rewards/{name}/mean", "kl", "nft/loss_pos", "marble/worst_cos", "time/balancer"} <= names

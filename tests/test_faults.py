@@ -17,7 +17,7 @@ from marble_runs import REWARDS, STEPS, make_trainer, snapshot
 from safetensors.torch import load_file, save_file
 from transformers import TrainerCallback
 
-from marble_trl.checkpoint import EMA_FILE, LORA_FILE, OLD_POLICY_FILE
+from marble_trl.artifacts import EMA_FILE, LORA_FILE, OLD_POLICY_FILE
 from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
 from marble_trl.output_dir import LOCK_FILE, OutputDirLock, OutputDirLockedError
 from marble_trl.resume import CorruptCheckpointError, resolve_resume, validate_checkpoint
@@ -351,7 +351,7 @@ def test_a_failure_before_training_leaves_the_folder_alone(reference_run, tmp_pa
 
 def test_a_nan_loss_refreshes_no_marble_coefficients(tmp_path, monkeypatch):
     """A refresh step whose loss is flagged non-finite is skipped whole: the balancer does not move either."""
-    import marble_trl.nft_trainer as nft_trainer
+    import marble_trl.trainer.backward as nft_trainer
 
     trainer = make_trainer(tmp_path / "run", max_steps=1, max_nonfinite_skips=1)
     before = json.dumps(trainer.balancer.state_dict(), sort_keys=True)

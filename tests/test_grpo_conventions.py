@@ -296,7 +296,7 @@ def test_reserved_column_names_are_refused():
 
 
 def test_wrong_signature_fails_at_construction_not_at_the_first_rollout(tmp_path, monkeypatch):
-    import marble_trl.nft_trainer as nft_trainer
+    import marble_trl.trainer.trainer as nft_trainer
 
     def completions_reward(completions, **kwargs):  # a text GRPO reward
         return [0.0] * len(completions)
@@ -304,7 +304,7 @@ def test_wrong_signature_fails_at_construction_not_at_the_first_rollout(tmp_path
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the reward was checked")
 
-    monkeypatch.setattr(nft_trainer, "load_sd3_pipeline", no_load)
+    monkeypatch.setattr(nft_trainer, "load_model", no_load)
     with pytest.raises(TypeError, match="Reward 'completions_reward' cannot be called"):
         MarbleDiffusionNFTTrainer(
             "tiny", [brightness, completions_reward], args=tiny_args(tmp_path), train_dataset=dataset()

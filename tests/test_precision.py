@@ -17,7 +17,7 @@ from peft import LoraConfig
 from test_trainer import brightness, tiny_args
 from transformers import TrainerCallback
 
-import marble_trl.nft_trainer as nft_trainer
+import marble_trl.trainer.trainer as nft_trainer
 from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.data import load_prompt_dataset
 from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, LoraEMA, OldPolicy, add_policy_adapters, lora_parameters

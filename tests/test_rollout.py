@@ -7,8 +7,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from marble_trl.dpm_solver import FlowMatchDPMSolver2Scheduler
-from marble_trl.models import predict_velocity
-from marble_trl.rollout import encode_prompts, make_scheduler, sample_latents, training_sigmas
+from marble_trl.models import encode_prompts, predict_velocity, sample_latents
+from marble_trl.rollout import make_scheduler, training_sigmas
 
 SD35_SCHEDULER = FlowMatchEulerDiscreteScheduler(shift=3.0)  # SD3.5's scheduler config
 

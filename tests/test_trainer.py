@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -133,7 +134,7 @@ def test_amortised_gradient_equals_alpha_weighted_per_reward_gradients(tmp_path)
     loader = trainer.get_train_dataloader()
     it = iter(loader)
     micro = trainer.get_batch_samples(it, args.gradient_accumulation_steps, trainer.args.device)[0]
-    assert all(mb["mode"] == "amortised" for mb in micro)
+    assert all(mb.plan.mode == "amortised" for mb in micro)
     trainer.current_gradient_accumulation_steps = len(micro)
     model = trainer.model
     model.zero_grad()
@@ -144,7 +145,7 @@ def test_amortised_gradient_equals_alpha_weighted_per_reward_gradients(tmp_path)
 
     model.zero_grad()
     for mb in micro:
-        mb["mode"] = "cosines"  # same batch, same noise: now with the per-reward engine
+        mb.plan = dataclasses.replace(mb.plan, mode="cosines")  # same batch, same noise: now with the engine
         trainer.training_step(model, mb)
     g = trainer._gradient_engine.buffers
     weighted = 0.8 * g[0] + 0.2 * g[1]
@@ -272,7 +273,7 @@ def test_single_reward_weight_does_not_scale_the_advantage(tmp_path):
         micro = trainer.get_batch_samples(
             iter(trainer.get_train_dataloader()), args.gradient_accumulation_steps, None
         )[0]
-        advantages.append(torch.cat([mb["advantages"] for mb in micro]))
+        advantages.append(torch.cat([mb.advantages for mb in micro]))
     assert advantages[0].abs().max() > 0.5
     # Equal up to the 1e-4 std epsilon (brightness std here is ~1e-3); a weight that scaled A would give ratio 3.
     ratio = advantages[1].norm() / advantages[0].norm()

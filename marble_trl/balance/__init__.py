@@ -1,6 +1,8 @@
-"""Gradient balancing for multi-reward training (MARBLE): the min-norm QP and the stateful balancer."""
+"""Gradient balancing for multi-reward training (MARBLE): per-reward gradient engines, the min-norm QP, the stateful
+balancer and the harmony diagnostics."""
 
-from .gram import (
+from .diagnostics import cosine_stats, gram_cosines, update_cosines
+from .engines import (
     ENGINE_NAMES,
     GradientEngine,
     ReferenceGradientEngine,
@@ -9,7 +11,7 @@ from .gram import (
     make_gradient_engine,
     unflatten,
 )
-from .marble import MarbleBalancer, cosine_stats, gram_cosines, update_cosines
+from .marble import MarbleBalancer, RefreshInfo, StepWeights
 from .qp import QPResult, normalized_gram, solve_min_norm, solve_normalized_min_norm
 
 __all__ = [
@@ -22,6 +24,8 @@ __all__ = [
     "unflatten",
     "MarbleBalancer",
     "QPResult",
+    "RefreshInfo",
+    "StepWeights",
     "cosine_stats",
     "gram_cosines",
     "normalized_gram",

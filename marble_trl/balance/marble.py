@@ -30,7 +30,7 @@ Choices and deviations (all documented where they happen):
   the Gram matmul (and restored): it would make the cosines accurate only to ~1e-3.
 - Pareto-stationary gradients (``||sum_k alpha*_k gh_k|| <= 1e-6``, e.g. ``g`` and ``-g``): ``d_final`` is exactly 0
   rather than rounding noise pointing anywhere (the paper's formula gives a vector ~1e-10 of the gradients); the
-  cosines are then 0 and no conflict is reported. ``info["direction_norm"]`` logs ``||sum_k alpha_k gh_k||``.
+  cosines are then 0 and no conflict is reported. ``RefreshInfo.direction_norm`` logs ``||sum_k alpha_k gh_k||``.
   The Gram's rounding limits this norm to about the square root of the cosines' accuracy (~1e-3 for float32 Grams,
   ~1e-7 for float64 ones at moderate P), so near-stationary cosines are noisy anyway.
 - Optional final stage (``uniform_final_steps`` out of ``max_steps``): no refreshes, uniform advantage weights.
@@ -43,17 +43,19 @@ Choices and deviations (all documented where they happen):
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from .diagnostics import cosine_stats, gram_cosines, ieee_fp32_matmul, update_cosines, work_tensor
 from .qp import QPResult, as_float64_matrix, solve_min_norm, solve_normalized_min_norm
 
-__all__ = ["MarbleBalancer", "cosine_stats", "gram_cosines", "update_cosines"]
+__all__ = ["MarbleBalancer", "RefreshInfo", "StepWeights"]
 
 # ||sum_k alpha_k gh_k|| at or below this: the rewards are Pareto-stationary to numerical precision (their unit
 # gradients cancel); d_final is then exactly 0 instead of rounding noise, whose cosines would be arbitrary.
@@ -69,80 +71,44 @@ _STATE_KEYS = (
 )
 
 
-@contextlib.contextmanager
-def _ieee_fp32_matmul() -> Iterator[None]:
-    """Full-precision float32 matmuls inside (restored after): with TF32 on (``tf32=True``, or
-    ``set_float32_matmul_precision("high")``) a float32 Gram would carry ~1e-3 relative error, as large as the
-    cosines it is meant to resolve."""
-    prev = torch.get_float32_matmul_precision()
-    if prev == "highest":
-        yield
-        return
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(prev)
+@dataclass(frozen=True)
+class RefreshInfo:
+    """What one refresh did (plain Python values, per reward in ``reward_names`` order).
 
-
-def _work_tensor(grads: torch.Tensor) -> torch.Tensor:
-    """The buffers in a dtype safe for sums of squares: float32/float64 as is, half types upcast to float32."""
-    if not grads.is_floating_point():
-        raise TypeError(f"grads must be a floating tensor, got {grads.dtype}")
-    return grads if grads.dtype in (torch.float32, torch.float64) else grads.float()
-
-
-@torch.no_grad()
-def update_cosines(update: torch.Tensor, grads: torch.Tensor, grad_norms: torch.Tensor | None = None) -> torch.Tensor:
-    """``cos(update, g_k)`` for each row of ``grads`` [K, P]; 0 where either vector is zero. float64 [K].
-
-    Use it for any update direction (MARBLE's ``d_final``, a weighted-sum baseline's ``mean_k g_k``) so the harmony
-    statistics of Table S1 are computed the same way. ``grad_norms`` (``||g_k||``) may be passed to skip a pass.
+    ``alpha_star``: the QP's solution (NaN on fallback); ``alpha_used``: the coefficients on the unit gradients actually
+    used; ``alpha_bar``: after the EMA; ``active``: the rewards with signal; ``direction_norm``:
+    ``||sum_k alpha_k gh_k||`` in [0, 1]; ``pareto_stationary``: the update was set to 0; ``cosines``: cos(update, g_k);
+    ``worst_cosine`` / ``mean_cosine`` / ``cosine_var`` / ``conflict``: over the rewards with signal.
     """
-    work = _work_tensor(grads)
-    if work.ndim != 2:
-        raise ValueError(f"grads must be [K, P], got shape {tuple(grads.shape)}")
-    u = update.reshape(-1).to(work.dtype)
-    if u.shape[0] != work.shape[1]:
-        raise ValueError(f"update has {u.shape[0]} elements, grads rows have {work.shape[1]}")
-    with _ieee_fp32_matmul():
-        dots = torch.mv(work, u).double()
-    gn = torch.linalg.vector_norm(work, dim=1) if grad_norms is None else grad_norms.to(work.device)
-    denom = torch.linalg.vector_norm(u).double() * gn.double()
-    ok = denom > 0
-    return torch.where(ok, dots / torch.where(ok, denom, torch.ones_like(denom)), 0.0).clamp(-1.0, 1.0)
+
+    alpha_star: list[float]
+    alpha_used: list[float]
+    alpha_bar: list[float]
+    grad_norms: list[float]
+    active: list[bool]
+    num_active: int
+    direction_norm: float
+    pareto_stationary: bool
+    cosines: list[float]
+    worst_cosine: float
+    mean_cosine: float
+    cosine_var: float
+    conflict: bool
+    qp_status: str
+    qp_time_s: float
+    used_fallback: bool
+
+    def __getitem__(self, key: str) -> Any:  # mapping-style access, as when this was a dict
+        return getattr(self, key)
 
 
-def gram_cosines(gram: Any, coeffs: Any) -> np.ndarray:
-    """``cos(d, g_k)`` for ``d = sum_j coeffs_j g_j``, from the Gram alone (no pass over the parameters).
+@dataclass(frozen=True)
+class StepWeights:
+    """MARBLE's plan for one optimizer step (:meth:`MarbleBalancer.plan`)."""
 
-    Zero-safe: 0 for a zero ``g_k`` and for ``||d||`` below 1e-6 of ``sum_j |coeffs_j| ||g_j||`` (a cancelled
-    direction, where the Gram's rounding would otherwise produce arbitrary cosines).
-    """
-    m = as_float64_matrix(gram)
-    c = np.asarray(coeffs, dtype=np.float64)
-    mc = m @ c
-    dd = float(c @ mc)
-    n = np.sqrt(np.clip(np.diag(m), 0.0, None))
-    size = float(np.abs(c) @ n)  # >= ||d|| by the triangle inequality
-    if not dd > (1e-6 * size) ** 2:
-        return np.zeros_like(c)
-    out = np.zeros_like(c)
-    nz = n > 0
-    out[nz] = mc[nz] / (math.sqrt(dd) * n[nz])
-    return np.clip(out, -1.0, 1.0)
-
-
-def cosine_stats(cosines: Any, active: Any = None) -> dict[str, float | bool]:
-    """Table S1 harmony statistics over the rewards in ``active`` (default all): worst, mean, population variance,
-    and ``conflict = worst < 0``. With no reward selected everything is 0 / False."""
-    c = np.asarray(cosines.detach().cpu() if hasattr(cosines, "detach") else cosines, dtype=np.float64).reshape(-1)
-    if active is not None:
-        c = c[np.asarray(active, dtype=bool)]
-    if c.size == 0:
-        return {"worst_cosine": 0.0, "mean_cosine": 0.0, "cosine_var": 0.0, "conflict": False}
-    worst = float(c.min())
-    return {"worst_cosine": worst, "mean_cosine": float(c.mean()), "cosine_var": float(c.var()), "conflict": worst < 0}
+    refresh: bool  # a refresh step: per-reward gradients, the QP, Eq. 7
+    advantages: torch.Tensor  # A_bar = sum_k w_k A_k [N]: the single advantage of the step's ordinary backward
+    clamp_violations: int  # samples of this step with some |A_k| > A_max (Prop. 1 inexact for them)
 
 
 class MarbleBalancer:
@@ -297,11 +263,11 @@ class MarbleBalancer:
         return torch.tensor(w, dtype=dtype, device=device)
 
     # ---------------------------------------------------------------- refresh
-    def refresh(self, gram: Any, *, min_sq_norm: float = 0.0) -> tuple[np.ndarray, dict[str, Any]]:
+    def refresh(self, gram: Any, *, min_sq_norm: float = 0.0) -> tuple[np.ndarray, RefreshInfo]:
         """One refresh from the raw K x K Gram ``M_ij = g_i . g_j`` (torch or numpy, any float dtype).
 
-        Returns ``(coeffs, info)`` with ``d_final = sum_k coeffs_k g_k`` (Eq. 7) and the logging dict described in
-        ``combine`` (cosines here come from the Gram). Updates alpha_bar (Eq. 12) and the counters. Raises
+        Returns ``(coeffs, info)`` with ``d_final = sum_k coeffs_k g_k`` (Eq. 7) and a :class:`RefreshInfo` (cosines
+        here come from the Gram). Updates alpha_bar (Eq. 12) and the counters. Raises
         ``ValueError`` on NaN/inf before changing any state. Rewards with ``||g_k||^2 <= min_sq_norm`` count as
         having no signal. Useful alone for back-ends that only see the Gram (then use ``advantage_weights``).
         """
@@ -334,46 +300,60 @@ class MarbleBalancer:
             scale = norms[active].mean()  # Eq. 7: mean ||g_k|| over rewards with signal
             coeffs[active] = a * scale / norms[active]
         cosines = gram_cosines(gram64, coeffs)
-        info: dict[str, Any] = {
-            "alpha_star": alpha_star.tolist(),
-            "alpha_used": np.asarray(alpha_used, dtype=np.float64).tolist(),
-            "alpha_bar": self._alpha_bar.tolist(),
-            "grad_norms": norms.tolist(),
-            "active": active.tolist(),
-            "num_active": int(active.sum()),
-            "direction_norm": direction_norm,
-            "pareto_stationary": stationary,
-            "cosines": cosines.tolist(),
+        info = RefreshInfo(
+            alpha_star=alpha_star.tolist(),
+            alpha_used=np.asarray(alpha_used, dtype=np.float64).tolist(),
+            alpha_bar=self._alpha_bar.tolist(),
+            grad_norms=norms.tolist(),
+            active=active.tolist(),
+            num_active=int(active.sum()),
+            direction_norm=direction_norm,
+            pareto_stationary=stationary,
+            cosines=cosines.tolist(),
             **cosine_stats(cosines, active),
-            "qp_status": res.status,
-            "qp_time_s": res.solve_time_s,
-            "used_fallback": not res.ok,
-        }
+            qp_status=res.status,
+            qp_time_s=res.solve_time_s,
+            used_fallback=not res.ok,
+        )
         return coeffs, info
 
     @torch.no_grad()
-    def combine(self, grads: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    def combine(self, grads: torch.Tensor) -> tuple[torch.Tensor, RefreshInfo]:
         """The full MARBLE procedure on K all-reduced gradient buffers ``grads`` [K, P] (Eqs. 5-7, 12).
 
-        Returns ``(update [P], info)``; ``update`` has the dtype and device of ``grads``. ``info`` holds plain Python
-        values: ``alpha_star`` (NaN on fallback), ``alpha_used`` (coefficients on the unit gradients actually used),
-        ``alpha_bar`` (after the EMA), ``grad_norms``, ``active`` (rewards with signal), ``num_active``, ``direction_norm``
-        (``||sum_k alpha_k gh_k||`` in [0, 1]), ``pareto_stationary`` (update set to 0), ``cosines`` = cos(update, g_k),
-        ``worst_cosine``/``mean_cosine``/``cosine_var``/``conflict`` (over rewards with signal), ``qp_status``,
-        ``qp_time_s``, ``used_fallback``. Call it on refresh steps (``is_refresh_step``); every call is a refresh.
+        Returns ``(update [P], info)``; ``update`` has the dtype and device of ``grads``; ``info`` is a
+        :class:`RefreshInfo`. Call it on refresh steps (``is_refresh_step``); every call is a refresh.
         """
         k = self.num_rewards
         if grads.ndim != 2 or grads.shape[0] != k:
             raise ValueError(f"grads must be [{k}, P], got shape {tuple(grads.shape)}")
-        work = _work_tensor(grads)
-        with _ieee_fp32_matmul():
+        work = work_tensor(grads)
+        with ieee_fp32_matmul():
             gram = torch.mm(work, work.T)  # the only O(K^2 P) work; accumulates in the buffers' dtype
         coeffs, info = self.refresh(gram, min_sq_norm=torch.finfo(work.dtype).tiny)
         c = torch.as_tensor(coeffs, dtype=work.dtype, device=work.device)
         update = c @ work
         # Cosines of the update actually returned (one extra [K, P] x [P] pass), same code as for baselines.
-        norms = torch.as_tensor(info["grad_norms"], dtype=torch.float64, device=work.device)
-        cosines = update_cosines(update, work, grad_norms=norms)
-        info["cosines"] = cosines.tolist()
-        info.update(cosine_stats(info["cosines"], info["active"]))
+        norms = torch.as_tensor(info.grad_norms, dtype=torch.float64, device=work.device)
+        cosines = update_cosines(update, work, grad_norms=norms).tolist()
+        info = dataclasses.replace(info, cosines=cosines, **cosine_stats(cosines, info.active))
         return update.to(grads.dtype), info
+
+    # ------------------------------------------------------------ the step API
+    def plan(self, step: int, per_reward: torch.Tensor, adv_clip_max: float) -> StepWeights:
+        """Whether 0-based step ``step`` refreshes, and its single advantage ``A_bar = sum_k w_k A_k``
+        (``advantage_weights``) from the per-reward advantages ``per_reward`` [K, N]; counts the clamp violations
+        (samples with some ``|A_k| > adv_clip_max``, the paper's ``pareto_fallback_used``)."""
+        weights = self.advantage_weights(step, dtype=per_reward.dtype)
+        a_bar = (weights[:, None] * per_reward).sum(dim=0)
+        violations = int((per_reward.abs() > adv_clip_max).any(dim=0).sum())
+        if violations:
+            self.record_clamp_violations(violations)
+        return StepWeights(refresh=self.is_refresh_step(step), advantages=a_bar, clamp_violations=violations)
+
+    def finish(self, grads: torch.Tensor, has_signal: torch.Tensor) -> tuple[torch.Tensor, RefreshInfo]:
+        """A refresh step's update from the all-reduced per-reward gradients [K, P]: the rows of rewards without
+        signal this step (``has_signal`` [K] False: all their advantages 0) are zeroed, so the QP leaves them out,
+        then :meth:`combine`. The rows of ``grads`` are zeroed in place."""
+        grads[~has_signal.to(grads.device)] = 0.0
+        return self.combine(grads)

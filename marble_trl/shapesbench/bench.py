@@ -108,7 +108,7 @@ def run_one(
     method: Method, seed: int, budget: Budget, model: str, out_dir: Path, save_images: bool = False
 ) -> dict[str, Any]:
     """Train ``method`` with ``seed`` and evaluate it; writes and returns the run record."""
-    from ..nft_trainer import MarbleDiffusionNFTTrainer
+    from ..trainer import MarbleDiffusionNFTTrainer
 
     torch.set_num_threads(budget.threads)
     out_dir = Path(out_dir)

@@ -16,7 +16,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-WEIGHTS = Path(__file__).parent / "weights"
+from ..artifacts import SHIPPED_WEIGHTS
+
+WEIGHTS = SHIPPED_WEIGHTS
 MANIFEST = WEIGHTS / "MANIFEST.json"
 
 

@@ -10,7 +10,7 @@ from diffusers import SD3Transformer2DModel
 from peft import LoraConfig
 from torch import nn
 
-from marble_trl.balance.gram import (
+from marble_trl.balance.engines import (
     GradientEngine,
     ReferenceGradientEngine,
     TwoStreamGradientEngine,
@@ -184,11 +184,11 @@ def test_auto_falls_back_to_reference_with_warning(caplog: pytest.LogCaptureFixt
     params = trainable(model)
     unsupported = find_unsupported_params(params, model)
     assert len(unsupported) == 1 and "transformer_blocks.1.attn.norm_q.weight" in unsupported[0]
-    with caplog.at_level(logging.WARNING, logger="marble_trl.balance.gram"):
+    with caplog.at_level(logging.WARNING, logger="marble_trl.balance.engines"):
         engine = make_gradient_engine("auto", params, 2, model)
     assert isinstance(engine, ReferenceGradientEngine)
     # Only this module's records: caplog sees every logger that propagates (transformers' do when CI is set).
-    warned = [r.getMessage() for r in caplog.records if r.name == "marble_trl.balance.gram"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "marble_trl.balance.engines"]
     assert len(warned) == 1 and "attn.norm_q.weight" in warned[0]
     with pytest.raises(ValueError, match="norm_q.weight"):
         make_gradient_engine("two_stream", params, 2, model)

@@ -1,4 +1,5 @@
-"""Loading Stable Diffusion 3 / 3.5 pipelines, and the tiny offline SD3 pipeline used by tests and the CPU recipe.
+"""The offline models: the tiny random SD3 pipeline (tests, smoke recipes) and the ``shapes`` model (the ShapesBench
+base model shipped in the package, the README's main job).
 
 ``build_tiny_sd3_pipeline`` assembles a complete :class:`diffusers.StableDiffusion3Pipeline` with random weights from a
 seed: a tiny SD3(.5) transformer, a tiny VAE, two tiny CLIP text encoders with tokenizers built from an in-memory
@@ -9,19 +10,17 @@ downloaded.
 ``StableDiffusion3Pipeline.from_pretrained(folder)``, like any Hub checkpoint: the saved pipeline carries a placeholder
 T5 (``text_encoder_3``, ``tokenizer_3``) whose output is exactly zero, so it generates the same images as the built one
 (diffusers' SD3 loader refuses a folder without T5 unless ``text_encoder_3=None, tokenizer_3=None`` are passed).
-``load_sd3_pipeline`` loads either kind of folder.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import string
 from pathlib import Path
 
 import torch
 
-from .distributed import zero3_init_disabled
+from ..artifacts import SHIPPED_WEIGHTS
 
 TINY_MODEL_NAME = "tiny"
 # The ShapesBench base model shipped inside the package (marble_trl/shapesbench/weights/shapes): a tiny SD3.5-
@@ -31,9 +30,7 @@ SHAPES_MODEL_NAME = "shapes"
 
 def shapes_model_path() -> Path:
     """The folder of the shipped ``shapes`` model (a ``save_pretrained`` folder)."""
-    from .shapesbench.shipped import WEIGHTS
-
-    folder = WEIGHTS / SHAPES_MODEL_NAME
+    folder = SHIPPED_WEIGHTS / SHAPES_MODEL_NAME
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(
             f"The shipped 'shapes' model is missing from {folder}: reinstall marble_trl, or rebuild it with "
@@ -43,23 +40,6 @@ def shapes_model_path() -> Path:
 
 
 _TINY_CHARS = string.ascii_lowercase + string.digits + string.punctuation
-
-
-def predict_velocity(
-    transformer: torch.nn.Module,
-    x_t: torch.Tensor,
-    sigma: torch.Tensor,
-    prompt_embeds: torch.Tensor,
-    pooled: torch.Tensor,
-) -> torch.Tensor:
-    """The SD3 transformer's velocity ``v = eps - x0`` at flow time ``sigma`` (diffusers: ``timestep = 1000 sigma``)."""
-    return transformer(
-        hidden_states=x_t,
-        timestep=sigma * 1000.0,
-        encoder_hidden_states=prompt_embeds,
-        pooled_projections=pooled,
-        return_dict=False,
-    )[0]
 
 
 def _tiny_clip_tokenizer(max_length: int = 77):
@@ -215,58 +195,3 @@ def save_tiny_sd3_pipeline(path: str | os.PathLike, seed: int = 0, **kwargs) -> 
 def tiny_seed_of(pipeline) -> int | None:
     """The seed of a pipeline built by :func:`build_tiny_sd3_pipeline` (``None`` for any other pipeline)."""
     return getattr(pipeline, "tiny_seed", None) if getattr(pipeline, "name_or_path", None) == TINY_MODEL_NAME else None
-
-
-@zero3_init_disabled()  # frozen components must not be partitioned by ZeRO-3 (marble_trl.distributed)
-def load_sd3_pipeline(
-    name_or_path: str | os.PathLike,
-    torch_dtype: torch.dtype | None = None,
-    tiny_seed: int = 0,
-):
-    """Load an SD3 / SD3.5 pipeline from a local folder or Hub id; ``"tiny"`` builds the offline tiny pipeline,
-    ``"shapes"`` loads the ShapesBench base model shipped in the package.
-
-    A local path that does not exist is an error (it is never mistaken for a Hub id).
-    """
-    from diffusers import StableDiffusion3Pipeline
-
-    name_or_path = str(name_or_path)
-    if name_or_path == TINY_MODEL_NAME:
-        pipe = build_tiny_sd3_pipeline(seed=tiny_seed)
-        if torch_dtype is not None and torch_dtype != torch.float32:
-            # Built in float32. nn.Module.to, not ModelMixin.to: diffusers' warns that it would keep "[]" in float32.
-            for component in pipe.components.values():
-                if isinstance(component, torch.nn.Module):
-                    torch.nn.Module.to(component, dtype=torch_dtype)
-        return pipe
-    # A Hub id is "name" or "org/name"; anything with more parts or a path prefix is a local path.
-    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-    expanded = Path(name_or_path).expanduser()
-    if looks_local and not expanded.exists():
-        raise FileNotFoundError(
-            f"model_name_or_path {name_or_path!r} is not an existing folder. Give a local diffusers folder, a Hub id "
-            f"such as 'stabilityai/stable-diffusion-3.5-medium', or {TINY_MODEL_NAME!r} / {SHAPES_MODEL_NAME!r} for the offline models."
-        )
-    kwargs: dict = {"torch_dtype": torch_dtype} if torch_dtype is not None else {}
-    if name_or_path == SHAPES_MODEL_NAME:
-        folder = shapes_model_path()
-        pipe = StableDiffusion3Pipeline.from_pretrained(str(folder), **kwargs, **_absent_components(folder))
-        pipe.register_to_config(_name_or_path=SHAPES_MODEL_NAME)  # cards and adapters name it like a Hub id
-        return pipe
-    if expanded.exists():
-        kwargs.update(_absent_components(expanded))
-        return StableDiffusion3Pipeline.from_pretrained(str(expanded), **kwargs)
-    return StableDiffusion3Pipeline.from_pretrained(name_or_path, **kwargs)
-
-
-def _absent_components(folder: Path) -> dict[str, None]:
-    """Components saved as ``[null, null]`` (e.g. no T5): diffusers wants them passed explicitly as ``None``."""
-    index = folder / "model_index.json"
-    if not index.is_file():
-        raise FileNotFoundError(f"{folder} has no model_index.json: it is not a diffusers pipeline folder.")
-    entries = json.loads(index.read_text())
-    return {
-        name: None
-        for name, value in entries.items()
-        if isinstance(value, list) and len(value) == 2 and value[0] is None and value[1] is None
-    }

@@ -1,0 +1,44 @@
+"""Model families (:mod:`.family`: the protocol the trainer talks to), SD3 / SD3.5 (:mod:`.sd3`) and the offline
+models (:mod:`.tiny`: ``tiny``, ``shapes``)."""
+
+from .family import FAMILIES, Conditioning, FlowModelAdapter, adapter_for, load_model
+from .sd3 import (
+    DEFAULT_LORA_TARGETS,
+    PromptEmbeddings,
+    SD3Adapter,
+    decode_latents,
+    encode_prompts,
+    load_sd3_pipeline,
+    predict_velocity,
+    sample_latents,
+)
+from .tiny import (
+    SHAPES_MODEL_NAME,
+    TINY_MODEL_NAME,
+    build_tiny_sd3_pipeline,
+    save_tiny_sd3_pipeline,
+    shapes_model_path,
+    tiny_seed_of,
+)
+
+__all__ = [
+    "DEFAULT_LORA_TARGETS",
+    "FAMILIES",
+    "SHAPES_MODEL_NAME",
+    "TINY_MODEL_NAME",
+    "Conditioning",
+    "FlowModelAdapter",
+    "PromptEmbeddings",
+    "SD3Adapter",
+    "adapter_for",
+    "build_tiny_sd3_pipeline",
+    "decode_latents",
+    "encode_prompts",
+    "load_model",
+    "load_sd3_pipeline",
+    "predict_velocity",
+    "sample_latents",
+    "save_tiny_sd3_pipeline",
+    "shapes_model_path",
+    "tiny_seed_of",
+]

@@ -1,0 +1,239 @@
+"""One micro-batch's NFT loss over its training timesteps, and the end of a step that computed per-reward gradients.
+
+For every training timestep ``t`` of a sample (DiffusionNFT, arXiv 2509.16117, Alg. 1): noise the clean latent to
+``x_t``, predict ``v_old`` (old-policy adapter) and, with KL on, ``v_ref`` (adapters off) without gradients, then the
+policy's ``v_theta`` and the NFT loss, and back-propagate. How the gradient is formed differs per back-end, so each
+has a strategy object with the same two methods:
+
+- :class:`PlainBackward` (one process or DDP): the per-reward gradients (MARBLE refresh steps and the cosine
+  diagnostic) and the update come from one forward through the unwrapped module, which the gradient engine
+  back-propagates itself (the step's gradients are all-reduced by hand in :meth:`PlainBackward.all_reduce`);
+- :class:`DeepSpeedBackward`: DeepSpeed hooks every backward through its engine's outputs, so the per-reward gradients
+  get a forward of their own through the unwrapped module, which DeepSpeed never sees, and the update goes through the
+  DeepSpeed engine (:func:`marble_trl.distributed.backward`: one optimizer step per ``GA x T`` backward calls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..balance import GradientEngine, MarbleBalancer, RefreshInfo, cosine_stats, unflatten, update_cosines
+from ..distributed import backward as deepspeed_backward
+from ..lora import use_old_policy, use_reference
+from ..nft import NFTTerms, add_noise, advantage_to_r, nft_loss, nft_loss_terms
+from .step import MicroBatch
+
+# predict(module, x_t, sigma, embeds) -> velocity: the model family's forward (marble_trl.models)
+Predict = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss's hyperparameters (from the config), read by every timestep."""
+
+    nft_beta: float
+    beta: float  # KL weight
+    adv_clip_max: float
+    refresh_update: str  # marble_refresh_update
+
+
+@dataclass
+class MicroBatchResult:
+    total: torch.Tensor  # sum over timesteps of the (unscaled) loss, detached
+    sums: dict[str, torch.Tensor]  # per-timestep metric sums, detached
+    num_timesteps: int
+
+
+class PlainBackward:
+    """One process or DDP (accelerate's ``backward``; ``no_sync`` on all but a micro-batch's last timestep)."""
+
+    def __init__(self, accelerator) -> None:
+        self.accelerator = accelerator
+
+    def per_reward_r(self, r_k: torch.Tensor, r: torch.Tensor, mode: str) -> torch.Tensor:
+        return r_k
+
+    def timestep(self, model, transformer, forward, engine: GradientEngine | None, plan_mode: str, settings,
+                 r_k, scale: float, last: bool) -> tuple[torch.Tensor, NFTTerms, torch.Tensor]:  # fmt: skip
+        if engine is None:
+            context = contextlib.nullcontext() if last else self.accelerator.no_sync(model)
+            with context:
+                v_theta, terms, loss = forward(model)
+                self.accelerator.backward(loss * scale)
+            return v_theta, terms, loss
+        # Forward through the unwrapped module: the engine back-propagates itself (DDP is bypassed).
+        with engine.capture(transformer):
+            v_theta, terms, loss = forward(transformer)
+            if plan_mode == "refresh" and settings.refresh_update == "gradient":
+                extra = settings.beta * terms.kl.mean() * scale if settings.beta > 0 else None  # Eq. 8: KL apart
+            else:
+                extra = loss * scale
+            engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=_engine_scale(settings, scale, terms.loss_pos.shape[0]),
+                              extra_loss=extra)  # fmt: skip
+        return v_theta, terms, loss
+
+    def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+        """Average the per-reward buffers and the update's ``.grad`` over the processes (DDP was bypassed)."""
+        world = self.accelerator.num_processes
+        if world == 1:
+            return
+        torch.distributed.all_reduce(buffers)
+        buffers.div_(world)
+        for p in params:
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad)
+                p.grad.div_(world)
+
+    def update_and_rows(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]):
+        """The step's update (its flat gradient, KL included) and the per-reward rows, for the cosine diagnostic."""
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+        return flat, buffers
+
+    def apply_update(self, update: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+        """Add MARBLE's Eq. 7 direction to ``.grad`` (which holds the KL term's gradient)."""
+        for p, chunk in zip(params, unflatten(update, params)):
+            chunk = chunk.to(device=p.device, dtype=p.dtype)
+            p.grad = chunk.clone() if p.grad is None else p.grad.add_(chunk)
+
+
+class DeepSpeedBackward(PlainBackward):
+    """DeepSpeed (ZeRO 1-3): the update's gradient lives in DeepSpeed's partitions, not in ``.grad``."""
+
+    def per_reward_r(self, r_k: torch.Tensor, r: torch.Tensor, mode: str) -> torch.Tensor:
+        # The cosine diagnostic needs the update's own (KL-free) gradient: the engine computes it as a last row.
+        return torch.cat([r_k, r[None]]) if mode == "cosines" else r_k
+
+    def timestep(self, model, transformer, forward, engine, plan_mode, settings, r_k, scale, last):
+        if engine is not None:
+            with engine.capture(transformer):
+                _, terms_k, _ = forward(transformer)
+                engine.accumulate(terms_k.loss_pos, terms_k.loss_neg, r_k,
+                                  scale=_engine_scale(settings, scale, terms_k.loss_pos.shape[0]))  # fmt: skip
+            del terms_k
+        context = contextlib.nullcontext() if last else self.accelerator.no_sync(model)
+        with context:
+            v_theta, terms, loss = forward(model)
+            deepspeed_backward(self.accelerator, loss * scale, last_of_micro_batch=last)
+        return v_theta, terms, loss
+
+    def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+        # DeepSpeed has reduced (and applied) the update's gradient itself: only the buffers.
+        world = self.accelerator.num_processes
+        if world > 1:
+            torch.distributed.all_reduce(buffers)
+            buffers.div_(world)
+
+    def update_and_rows(self, buffers, params):
+        return buffers[-1].float(), buffers[:-1]  # the update's gradient without the KL term: the engine's last row
+
+    def apply_update(self, update, params):
+        raise RuntimeError("DeepSpeed owns the gradients: refresh steps use marble_refresh_update='advantage'.")
+
+
+def _engine_scale(settings: LossSettings, scale: float, batch_size: int) -> float:
+    """The per-reward sums' weight: the NFT loss's ``A_max / nft_beta`` prefactor and its mean over samples."""
+    return settings.adv_clip_max / settings.nft_beta * scale / batch_size
+
+
+def micro_batch_loss(
+    batch: MicroBatch,
+    *,
+    model,
+    transformer: torch.nn.Module,
+    predict: Predict,
+    sigmas: torch.Tensor,
+    settings: LossSettings,
+    backend: PlainBackward,
+    engine: GradientEngine | None,
+    noise_generator: torch.Generator,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    scale: float,
+    device: torch.device,
+) -> MicroBatchResult:
+    """The NFT loss of one micro-batch, back-propagated timestep by timestep (``scale``: ``1 / (T x GA)``)."""
+    x0 = batch.x0.to(device)
+    r = advantage_to_r(batch.advantages.to(device), settings.adv_clip_max)
+    r_k = None
+    if engine is not None:
+        r_k = advantage_to_r(batch.per_reward_advantages.to(device), settings.adv_clip_max)
+        r_k = backend.per_reward_r(r_k, r, batch.plan.mode)
+    num_train = batch.timestep_index.shape[1]
+    total = torch.zeros((), device=device)
+    sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
+    for j in range(num_train):
+        t = sigmas[batch.timestep_index[:, j]].to(device)
+        noise = torch.randn(x0.shape, generator=noise_generator).to(device=device, dtype=x0.dtype)
+        x_t = add_noise(x0, noise, t)
+        with torch.no_grad(), autocast():
+            with use_old_policy(transformer):
+                v_old = predict(transformer, x_t, t, batch.embeds).float()
+            v_ref = None
+            if settings.beta > 0:
+                with use_reference(transformer):
+                    v_ref = predict(transformer, x_t, t, batch.embeds).float()
+
+        def forward(module, x_t=x_t, t=t, v_old=v_old, v_ref=v_ref):
+            with autocast():
+                v_theta = predict(module, x_t, t, batch.embeds).float()
+            terms = nft_loss_terms(v_theta, v_old, x_t, x0, t, settings.nft_beta, v_ref)
+            return v_theta, terms, nft_loss(terms, r, settings.nft_beta, settings.adv_clip_max, settings.beta)
+
+        v_theta, terms, loss = backend.timestep(
+            model, transformer, forward, engine, batch.plan.mode, settings, r_k, scale, j == num_train - 1
+        )
+        total += loss.detach()
+        # Detached tensors, read once per micro-batch: no device sync per timestep.
+        sums["nft/loss_pos"] += terms.loss_pos.detach().mean()
+        sums["nft/loss_neg"] += terms.loss_neg.detach().mean()
+        sums["kl"] += terms.kl.detach().mean()
+        sums["nft/policy_deviation"] += ((v_theta.detach() - v_old) ** 2).mean()
+    return MicroBatchResult(total, dict(sums), num_train)
+
+
+@dataclass(frozen=True)
+class EngineStepResult:
+    """What the end of a step with per-reward gradients produced (at most one of the two)."""
+
+    refresh: RefreshInfo | None = None  # a MARBLE refresh
+    cosines: list[float] | None = None  # the diagnostic's cos(update, g_k), per reward
+    cosine_stats: dict | None = None
+    skipped: str | None = None  # why nothing was computed (non-finite buffers, a flagged step)
+
+
+def finish_engine_step(
+    engine: GradientEngine,
+    plan_mode: str,
+    has_signal: torch.Tensor,
+    backend: PlainBackward,
+    balancer: MarbleBalancer | None,
+    refresh_update: str,
+    flagged: bool,
+    reward_names: list[str],
+) -> EngineStepResult:
+    """After the step's last micro-batch: all-reduce, then MARBLE's QP and Eq. 7 (or the baseline's cosines).
+
+    ``flagged``: this process's non-finite guard flagged the step; every process decides alike (all-reduced).
+    """
+    buffers, params = engine.buffers, engine.params
+    backend.all_reduce(buffers, params)
+    if not torch.isfinite(buffers).all():
+        bad = [n for n, row in zip(reward_names, buffers) if not torch.isfinite(row).all()]
+        return EngineStepResult(skipped=f"the per-reward gradients of {bad} are not finite")
+    flag = torch.tensor([float(flagged)], device=buffers.device)
+    if backend.accelerator.num_processes > 1:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    if plan_mode == "refresh":
+        if flag.item():  # the step will be skipped: the coefficients must not move either
+            return EngineStepResult(skipped="" if flagged else "another process's loss is not finite")
+        update, info = balancer.finish(buffers, has_signal)
+        if refresh_update == "gradient":
+            backend.apply_update(update, params)
+        return EngineStepResult(refresh=info)
+    flat, rows = backend.update_and_rows(buffers, params)
+    cosines = update_cosines(flat, rows.float())
+    return EngineStepResult(cosines=cosines.tolist(), cosine_stats=cosine_stats(cosines, has_signal.cpu().numpy()))

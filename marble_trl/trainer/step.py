@@ -1,0 +1,181 @@
+"""One optimizer step's plan: rewards gathered in the global sampler order, the step's mode and single advantage,
+and the micro-batches that the timestep loop (:mod:`.backward`) trains on.
+
+The rule that maps micro-batches to processes lives here only: accelerate hands global batch ``j`` to process
+``j % world``, so process ``p``'s ``m``-th micro-batch is global batch ``m * world + p``. Every random draw of a step
+is keyed by that global index (:func:`global_batch_index`), so 1 process with gradient accumulation and N processes
+with the same global batch draw the same noise, and a resumed run draws what the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+import torch
+from accelerate.utils import gather, gather_object
+
+from ..balance import MarbleBalancer
+from ..models import Conditioning
+
+StepMode = Literal["plain", "cosines", "refresh", "amortised"]
+
+
+def global_batch_index(micro_batch: int, world: int, rank: int) -> int:
+    """The global index of process ``rank``'s ``micro_batch``-th micro-batch (accelerate: global ``j`` -> ``j % world``)."""
+    return micro_batch * world + rank
+
+
+def global_positions(local_index: torch.Tensor, ranks: torch.Tensor | int, micro: int, world: int) -> torch.Tensor:
+    """The global sampler position of sample ``local_index`` of process ``ranks`` (micro-batches of ``micro``)."""
+    return global_batch_index(local_index // micro, world, ranks) * micro + local_index % micro
+
+
+@dataclass(frozen=True)
+class GatheredRewards:
+    """The step's rewards of every process, in the global sampler order."""
+
+    rewards: torch.Tensor  # [K, N_global]
+    local_positions: torch.Tensor  # [N_local]: this process's samples' global positions
+    sources: list[Any] | None  # each sample's prompt source, or None without a source column
+
+
+def gather_rewards(
+    accelerator, rewards_local: torch.Tensor, prompts: list[str], micro: int, num_generations: int, sources=None
+) -> GatheredRewards:
+    """Gather the step's rewards (and the samples' sources, if given) from every process in the global sampler
+    order. Groups of ``num_generations`` consecutive samples in that order share a prompt; this is checked, since a
+    group split wrongly would silently corrupt the advantages."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    n_local = rewards_local.shape[1]
+    local_idx = torch.arange(n_local)
+    positions = global_positions(local_idx, rank, micro, world)
+    if world == 1:
+        all_rewards, all_prompts, all_positions, all_sources = rewards_local, prompts, positions, sources
+    else:
+        all_rewards = gather(rewards_local.T.contiguous().to(accelerator.device)).cpu().T
+        all_prompts = gather_object(prompts)
+        all_sources = gather_object(sources) if sources is not None else None
+        all_positions = global_positions(
+            local_idx.repeat(world), torch.arange(world).repeat_interleave(n_local), micro, world
+        )
+    ordered = torch.empty_like(all_rewards)
+    ordered[:, all_positions] = all_rewards
+    slots = all_positions.tolist()
+
+    def in_order(values: list[Any]) -> list[Any]:
+        out = [None] * len(values)
+        for pos, value in zip(slots, values):
+            out[pos] = value
+        return out
+
+    check_groups(in_order(all_prompts), num_generations)
+    return GatheredRewards(ordered, positions, in_order(all_sources) if all_sources is not None else None)
+
+
+def check_groups(prompts: list[str], num_generations: int) -> None:
+    for start in range(0, len(prompts), num_generations):
+        group = prompts[start : start + num_generations]
+        if any(p != group[0] for p in group):
+            raise RuntimeError(
+                f"A group of {num_generations} samples mixes prompts ({sorted(set(group))[:3]}...): the data sharding "
+                "does not keep groups together. Use the trainer's own dataloader (GroupSampler)."
+            )
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How this step's gradient is formed.
+
+    - ``"plain"``: one backward of the NFT loss with ``advantages`` (one reward, or a weighted-sum baseline);
+    - ``"cosines"``: the same update, plus the K per-reward gradients for the Table S1 diagnostics;
+    - ``"refresh"``: a MARBLE refresh step (per-reward gradients, QP, Eq. 7);
+    - ``"amortised"``: a MARBLE step between refreshes: ``A_bar = sum_k alpha_bar_k A_k`` (Prop. 1).
+    """
+
+    mode: StepMode
+    advantages: torch.Tensor  # [N_global]: the single advantage of the step's ordinary backward
+    has_signal: torch.Tensor  # [K] bool: some advantage of the reward is non-zero this step
+
+    @property
+    def needs_engine(self) -> bool:
+        """Whether the step computes the K per-reward gradients."""
+        return self.mode in ("refresh", "cosines")
+
+
+def plan_step(
+    per_reward: torch.Tensor,
+    combined: torch.Tensor,
+    balancer: MarbleBalancer | None,
+    step: int,
+    *,
+    log_update_cosines: bool,
+    adv_clip_max: float,
+) -> StepPlan:
+    """The step's :class:`StepPlan` from its advantages ([K, N] per reward, [N] combined by the aggregation)."""
+    # A reward whose advantages are all 0 this step (no spread, or not applicable anywhere) has no signal: its
+    # "gradient" would only be that of 0.5 (L_pos + L_neg). MARBLE leaves it out of the QP (zero buffer row); the
+    # cosine diagnostics leave it out of the harmony statistics.
+    has_signal = (per_reward != 0).any(dim=1)
+    if balancer is None:
+        return StepPlan("cosines" if log_update_cosines else "plain", combined, has_signal)
+    weights = balancer.plan(step, per_reward, adv_clip_max)
+    if weights.refresh:
+        return StepPlan("refresh", weights.advantages, has_signal)
+    # Amortised steps with diagnostics: the same A_bar update, plus the K gradients for cos(update, g_k).
+    return StepPlan("cosines" if log_update_cosines else "amortised", weights.advantages, has_signal)
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of rollouts, as ``training_step`` receives it."""
+
+    x0: torch.Tensor  # [B, C, h, w] clean latents
+    embeds: Conditioning
+    advantages: torch.Tensor  # [B] the plan's single advantage
+    per_reward_advantages: torch.Tensor  # [K, B]
+    timestep_index: torch.Tensor  # [B, T] indices into the training sigmas
+    index: int  # this process's micro-batch number in the step
+    last: bool  # the step's last micro-batch
+    plan: StepPlan
+
+    def __contains__(self, key: str) -> bool:  # transformers probes inputs for "input_ids" (token and FLOP counts)
+        return key in {f.name for f in fields(self)}
+
+
+def make_micro_batches(
+    x0: torch.Tensor,
+    embeds: Conditioning,
+    plan: StepPlan,
+    per_reward: torch.Tensor,
+    local_positions: torch.Tensor,
+    micro: int,
+    count: int,
+    num_sigmas: int,
+    num_train: int,
+    generator: Callable[[int], torch.Generator],
+    device: torch.device,
+) -> list[MicroBatch]:
+    """This process's ``count`` micro-batches of ``micro`` samples; ``generator(m)`` seeds micro-batch ``m``'s choice of training timesteps (a random
+    ``num_train`` of the ``num_sigmas`` for each sample)."""
+    combined = plan.advantages[local_positions]
+    per_reward = per_reward[:, local_positions]
+    out = []
+    for m in range(count):
+        sl = slice(m * micro, (m + 1) * micro)
+        perm_gen = generator(m)
+        perms = torch.stack([torch.randperm(num_sigmas, generator=perm_gen) for _ in range(micro)])
+        out.append(
+            MicroBatch(
+                x0=x0[sl],
+                embeds=embeds.index(sl),
+                advantages=combined[sl].to(device),
+                per_reward_advantages=per_reward[:, sl].to(device),
+                timestep_index=perms[:, :num_train],
+                index=m,
+                last=m == count - 1,
+                plan=plan,
+            )
+        )
+    return out
