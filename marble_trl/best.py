@@ -16,15 +16,9 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
-
-if TYPE_CHECKING:
-    from .trainer import MarbleDiffusionNFTTrainer
 
 logger = logging.getLogger(__name__)
 TRAINER_STATE_NAME = "trainer_state.json"
@@ -67,30 +61,36 @@ def _train_mean(history: list[dict[str, Any]], name: str, after: int, upto: int)
     return sum(values) / len(values) if values else None
 
 
-def selection_metrics(trainer: MarbleDiffusionNFTTrainer, metrics: dict[str, float], prefix: str) -> dict[str, float]:
+def selection_metrics(
+    metrics: dict[str, float],
+    prefix: str,
+    history: list[dict[str, Any]],
+    step: int,
+    reward_names: list[str],
+    eval_reward_names: list[str],
+) -> dict[str, float]:
     """``{prefix}_composite`` and the hacking signal of this evaluation (see the module docstring and
-    ``docs/evaluation.md``). Call before the evaluation is logged."""
-    history = trainer.state.log_history
+    ``docs/evaluation.md``) at optimizer step ``step``, from the run's ``history`` (``state.log_history``). Call before
+    the evaluation is logged."""
     evals = _evaluations(history, prefix)
     out: dict[str, float] = {}
-    value = composite(trainer.eval_reward_names, metrics, evals[0] if evals else None, prefix)
+    value = composite(eval_reward_names, metrics, evals[0] if evals else None, prefix)
     if value is None:
         return out
     out[f"{prefix}_composite"] = value
     if not evals:
         return out  # the first evaluation: nothing to compare with
-    step = trainer.state.global_step
     prev = evals[-1]
     prev_step = int(prev.get("step", 0))
     before_prev = int(evals[-2].get("step", 0)) if len(evals) > 1 else -1
     flags = []
-    for name in trainer.reward_names:
+    for name in reward_names:
         train_now = _train_mean(history, name, prev_step, step)
         train_prev = _train_mean(history, name, before_prev, prev_step)
         if train_now is None or train_prev is None:
             continue  # no training log in a window (eval_steps shorter than logging_steps)
         key = f"{prefix}_rewards/{name}/mean"
-        if name in trainer.eval_reward_names and _finite(metrics.get(key)) and _finite(prev.get(key)):
+        if name in eval_reward_names and _finite(metrics.get(key)) and _finite(prev.get(key)):
             held_delta = metrics[key] - prev[key]
         else:
             held_delta = value - prev[f"{prefix}_composite"]
@@ -130,57 +130,3 @@ class RewardHackingCallback(TrainerCallback):
                 self.patience,
             )
             control.should_training_stop = True
-
-
-def record_best_checkpoint(trainer: MarbleDiffusionNFTTrainer, run_dir: str) -> None:
-    """After the Trainer's ``_save_checkpoint`` ran into the staging folder: set ``state.best_model_checkpoint`` to
-    ``run_dir/checkpoint-{best_global_step}`` (the folder this save is renamed to, or an earlier one) and rewrite the
-    staged ``trainer_state.json`` with it, so rotation keeps the best checkpoint and a resume finds it."""
-    state, args = trainer.state, trainer.args
-    step = state.best_global_step
-    if not step or args.save_strategy not in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
-        return
-    path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-    if step != state.global_step and not os.path.isdir(path):
-        return
-    state.best_model_checkpoint = path
-    staging = getattr(trainer, "_checkpoint_staging_root", None)
-    if args.should_save and staging:
-        state.save_to_json(os.path.join(staging, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", TRAINER_STATE_NAME))
-
-
-def load_best_checkpoint(trainer: MarbleDiffusionNFTTrainer) -> None:
-    """``load_best_model_at_end``: copy the trained LoRA, the old-policy adapter and the parameter EMA (which the
-    evaluation scored when ``eval_use_param_ema``) of ``state.best_model_checkpoint`` into the trainer."""
-    from .checkpoint import _check_keys, load_adapter_state, lora_key, read_manifest
-    from .lora import OLD_ADAPTER, TRAIN_ADAPTER
-
-    folder = Path(trainer.state.best_model_checkpoint)
-    if trainer.is_deepspeed_enabled:
-        logger.warning(
-            "load_best_model_at_end is not supported with DeepSpeed here: the final weights are kept. The best "
-            "checkpoint (%s, %s = %s) exports with `marble-trl export --checkpoint %s`.",
-            folder,
-            trainer.args.metric_for_best_model,
-            trainer.state.best_metric,
-            folder,
-        )
-        return
-    files = read_manifest(folder)["files"]
-    transformer = trainer.transformer
-    load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
-    load_adapter_state(transformer, OLD_ADAPTER, folder / files["old_policy"])
-    trainer.old_policy.reset()
-    if trainer.param_ema is not None and files.get("param_ema"):
-        from safetensors.torch import load_file
-
-        state = load_file(str(folder / files["param_ema"]))
-        names = list(trainer.param_ema.state_dict())
-        _check_keys(set(state), {lora_key(n, TRAIN_ADAPTER) for n in names}, "parameter EMA", folder)
-        trainer.param_ema.load_state_dict({n: state[lora_key(n, TRAIN_ADAPTER)] for n in names})
-    logger.info(
-        "Loaded the best checkpoint %s (%s = %s).",
-        folder,
-        trainer.args.metric_for_best_model,
-        trainer.state.best_metric,
-    )

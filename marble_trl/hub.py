@@ -17,25 +17,21 @@ import json
 import math
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ._version import __version__
 from .artifacts import (
     BALANCER_FILE,
     EXPORT_CONFIG_FILE,
-    LORA_FILE,
     MANIFEST_FILE,
     METRICS_FILE,
     PUSH_IGNORE,
     SAMPLES_DIR,
     TRAINER_STATE_FILE,
 )
-from .checkpoint import base_model_name, read_manifest
-
-if TYPE_CHECKING:
-    from .trainer import MarbleDiffusionNFTTrainer
+from .checkpoint import read_manifest
 
 CARD_TAGS = ["diffusers", "lora", "text-to-image", "trl", "marble", "diffusion-nft"]
 
@@ -117,26 +113,6 @@ class CardInfo:
     tiny_seed: int | None = None  # the seed of the tiny model (base_model "tiny"), which rebuilds it
 
 
-# ------------------------------------------------------------------------------------------------- building CardInfo
-def card_info_from_trainer(trainer: MarbleDiffusionNFTTrainer, **overrides) -> CardInfo:
-    info = CardInfo(
-        base_model=base_model_name(trainer),
-        reward_names=list(trainer.reward_names),
-        reward_weights=[float(w) for w in trainer.reward_weights],
-        aggregation=trainer.aggregation,
-        global_step=trainer.state.global_step,
-        training_args=json.loads(trainer.args.to_json_string()),
-        log_history=list(trainer.state.log_history),
-        balancer_state=trainer.balancer.state_dict() if trainer.balancer is not None else None,
-        repo_id=trainer.hub_model_id or trainer.args.hub_model_id,
-    )
-    if info.base_model == "tiny":
-        from .models import tiny_seed_of
-
-        info.tiny_seed = tiny_seed_of(trainer.pipeline)
-    return _override(info, overrides)
-
-
 def read_export_config(folder: str | os.PathLike) -> dict[str, Any]:
     """A folder's ``marble_trl.json`` (``{}`` when it has none)."""
     path = Path(folder) / EXPORT_CONFIG_FILE
@@ -176,7 +152,7 @@ def card_info_from_checkpoint(folder: str | os.PathLike, **overrides) -> CardInf
         )
     if info.base_model == "tiny":
         info.tiny_seed = int(config.get("tiny_seed") or 0)
-    return _override(info, overrides)
+    return override_card(info, overrides)
 
 
 def _log_history(folder: Path) -> list[dict[str, Any]]:
@@ -188,7 +164,7 @@ def _log_history(folder: Path) -> list[dict[str, Any]]:
     return []
 
 
-def _override(info: CardInfo, overrides: dict[str, Any]) -> CardInfo:
+def override_card(info: CardInfo, overrides: dict[str, Any]) -> CardInfo:
     for key, value in overrides.items():
         if not hasattr(info, key):
             raise TypeError(f"Unknown model card field {key!r}.")
@@ -327,8 +303,6 @@ def _tiny_flag(info: CardInfo) -> str:
 def render_model_card(info: CardInfo) -> str:
     """The card (YAML front matter + Markdown) as a string."""
     from huggingface_hub import ModelCardData
-
-    from . import __version__
 
     hub_base = hub_base_model(info.base_model)
     tags = list(dict.fromkeys([*CARD_TAGS, *info.tags]))
@@ -487,8 +461,6 @@ def hub_api(endpoint: str | None = None, token: str | None = None):
     """An ``HfApi`` for ``endpoint`` (default: ``HF_ENDPOINT``, else huggingface.co)."""
     from huggingface_hub import HfApi
 
-    from . import __version__
-
     return HfApi(endpoint=endpoint, token=token, library_name="marble_trl", library_version=__version__)
 
 
@@ -515,146 +487,6 @@ def push_folder(
     )
 
 
-def init_repo(trainer: MarbleDiffusionNFTTrainer, token: str | None = None, private: bool | None = None) -> None:
-    """The trainer's ``init_hf_repo``: create ``hub_model_id`` (default: the output folder's name)."""
-    if not trainer.is_world_process_zero():
-        return
-    args = trainer.args
-    repo_name = args.hub_model_id or Path(args.output_dir).absolute().name
-    token = token if token is not None else args.hub_token
-    private = private if private is not None else args.hub_private_repo
-    url = hub_api(token=token).create_repo(repo_name, private=private, exist_ok=True)
-    trainer.hub_model_id = url.repo_id
-    trainer.push_in_progress = None
-
-
-def default_sample_prompts(trainer: MarbleDiffusionNFTTrainer, n: int) -> list[str]:
-    return list(dict.fromkeys(trainer.train_dataset["prompt"]))[:n] if n > 0 else []
-
-
-def write_trainer_card(trainer: MarbleDiffusionNFTTrainer, folder: str | None = None, **overrides) -> Path | None:
-    """The trainer's ``create_model_card``: README.md (and marble_trl.json) in ``folder`` (default ``output_dir``).
-
-    Sample images already in ``<folder>/samples`` are shown unless ``samples`` is given.
-    """
-    if not trainer.is_world_process_zero():
-        return None
-    folder = Path(folder or trainer.args.output_dir)
-    if "samples" not in overrides:
-        found = sorted((folder / SAMPLES_DIR).glob("*.png")) if (folder / SAMPLES_DIR).is_dir() else []
-        prompts = _recorded_prompts(folder)
-        overrides["samples"] = [(f"{SAMPLES_DIR}/{p.name}", prompts.get(p.name, p.stem)) for p in found]
-    info = card_info_from_trainer(trainer, **overrides)
-    write_export_config(folder, info)
-    return write_model_card(info, folder)
-
-
-def _recorded_prompts(folder: Path) -> dict[str, str]:
+def recorded_prompts(folder: Path) -> dict[str, str]:
     path = folder / SAMPLES_DIR / "prompts.json"
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
-def render_trainer_samples(
-    trainer: MarbleDiffusionNFTTrainer, folder: Path, prompts: list[str], seed: int = 0
-) -> list[tuple[str, str]]:
-    """Generate ``prompts`` with the trainer's current LoRA into ``<folder>/samples`` (replacing older samples)."""
-    shutil.rmtree(folder / SAMPLES_DIR, ignore_errors=True)
-    if not prompts:
-        return []
-    pairs = save_samples(trainer.generate(prompts, seed=seed), prompts, folder)
-    (folder / SAMPLES_DIR / "prompts.json").write_text(
-        json.dumps({Path(p).name: prompt for p, prompt in pairs}, indent=2) + "\n", encoding="utf-8"
-    )
-    return pairs
-
-
-def push_trainer(
-    trainer: MarbleDiffusionNFTTrainer,
-    commit_message: str | None = "End of training",
-    blocking: bool = True,
-    token: str | None = None,
-    revision: str | None = None,
-    private: bool | None = None,
-    *,
-    ema: bool = False,
-    num_samples: int = 4,
-    sample_prompts: list[str] | None = None,
-    **card_overrides,
-):
-    """The trainer's ``push_to_hub``: save the LoRA (raw or EMA) to ``output_dir``, render samples, write the card,
-    upload ``output_dir`` without checkpoints. Returns the ``CommitInfo`` (a ``Future`` with ``blocking=False``)."""
-    import contextlib
-
-    args = trainer.args
-    trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
-    token = token if token is not None else args.hub_token
-    if trainer.hub_model_id is None:
-        trainer.init_hf_repo(token=token, private=private)
-    if ema and trainer.param_ema is None:
-        raise ValueError("push_to_hub(ema=True) needs a trainer with param_ema=True.")
-    folder = Path(args.output_dir)
-    prompts = sample_prompts if sample_prompts is not None else default_sample_prompts(trainer, num_samples)
-    context = trainer.param_ema.swapped_in(trainer.transformer) if ema else contextlib.nullcontext()
-    with context:
-        trainer.save_model(_internal_call=True)
-        if not trainer.is_world_process_zero():
-            return None
-        samples = render_trainer_samples(trainer, folder, prompts)
-    trainer.create_model_card(samples=samples, weights="ema" if ema else "raw", **card_overrides)
-    trainer._finish_current_push()
-    return hub_api(token=token).upload_folder(
-        repo_id=trainer.hub_model_id,
-        folder_path=str(folder),
-        commit_message=commit_message or "End of training",
-        revision=revision if revision is not None else args.hub_revision,
-        run_as_future=not blocking,
-        ignore_patterns=PUSH_IGNORE,
-    )
-
-
-def push_checkpoint(trainer: MarbleDiffusionNFTTrainer, checkpoint_folder: str) -> None:
-    """The trainer's ``_push_from_checkpoint`` (``push_to_hub=True`` with saves during training): copy the
-    checkpoint's LoRA into ``output_dir``, refresh the card, upload it in the background; with ``hub_strategy``
-    ``checkpoint`` / ``all_checkpoints`` also upload the checkpoint folder (``last-checkpoint`` / its name)."""
-    from transformers.trainer_utils import HubStrategy
-    from transformers.utils.hub import PushInProgress
-
-    args = trainer.args
-    if not trainer.is_world_process_zero() or args.hub_strategy == HubStrategy.END:
-        return
-    if not args.hub_always_push and trainer.push_in_progress is not None and not trainer.push_in_progress.is_done():
-        return
-    trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
-    output_dir = Path(args.output_dir)
-    shutil.copy(Path(checkpoint_folder) / LORA_FILE, output_dir / LORA_FILE)
-    trainer.create_model_card()
-    api = hub_api(token=args.hub_token)
-    message = f"Training in progress, step {trainer.state.global_step}"
-    jobs = [
-        api.upload_folder(
-            repo_id=trainer.hub_model_id,
-            folder_path=str(output_dir),
-            commit_message=message,
-            run_as_future=True,
-            ignore_patterns=PUSH_IGNORE,
-            revision=args.hub_revision,
-        )
-    ]
-    if args.hub_strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
-        path_in_repo = (
-            "last-checkpoint" if args.hub_strategy == HubStrategy.CHECKPOINT else Path(checkpoint_folder).name
-        )
-        jobs.append(
-            api.upload_folder(
-                repo_id=trainer.hub_model_id,
-                folder_path=checkpoint_folder,
-                path_in_repo=path_in_repo,
-                commit_message=message + ", checkpoint",
-                run_as_future=True,
-                revision=args.hub_revision,
-            )
-        )
-    if trainer.push_in_progress is None or trainer.push_in_progress.is_done():
-        trainer.push_in_progress = PushInProgress(jobs)
-    else:
-        trainer.push_in_progress.jobs.extend(jobs)

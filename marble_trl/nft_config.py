@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import json
-import logging
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ._trl import BaseConfig
-from .advantages import SCALE_REWARDS
+from .config_checks import check_batching, check_fields
 from .models.sd3 import DEFAULT_LORA_TARGETS
-from .nft import DECAY_TYPES
-
-AGGREGATIONS = ("auto", "marble", "sum_then_normalize", "normalize_then_sum")
-WEIGHTED_SUM_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # reward_weights enter the advantages
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -357,178 +350,9 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         best = self.load_best_model_at_end or getattr(self.save_strategy, "value", self.save_strategy) == "best"
         if best and self.metric_for_best_model is None:
             self.metric_for_best_model = "eval_composite"  # transformers' "loss": this trainer has no eval loss
-        self._check_fields()
+        check_fields(self)  # marble_trl.config_checks: each error names the field and the fix
         super().__post_init__()
-        self._check_batching()
-
-    def _check_fields(self) -> None:
-        def need(cond: bool, message: str) -> None:
-            if not cond:
-                raise ValueError(message)
-
-        need(
-            self.num_generations >= 2,
-            f"num_generations must be >= 2 (a group needs a baseline), got {self.num_generations}.",
-        )
-        need(self.lora_r >= 1, f"lora_r must be >= 1, got {self.lora_r}.")
-        need(
-            self.lora_alpha != 0,
-            "lora_alpha must not be 0: peft scales the adapter's output by lora_alpha / lora_r, so an adapter scaled "
-            "by 0 never changes the model (every gradient is 0, grad_norm 0.0, nothing trains). The reference uses "
-            "lora_alpha = 2 * lora_r (64 for lora_r 32).",
-        )
-        need(
-            self.max_steps != 0,
-            "max_steps must not be 0: transformers would still train one optimizer step (it checks the limit only "
-            "after a step). Set max_steps >= 1, or -1 (the default) to train num_train_epochs epochs.",
-        )
-        need(len(self.lora_target_modules) > 0, "lora_target_modules is empty: name at least one module to adapt.")
-        need(self.num_sample_steps >= 1, f"num_sample_steps must be >= 1, got {self.num_sample_steps}.")
-        need(self.guidance_scale >= 1.0, f"guidance_scale must be >= 1.0 (1.0 = CFG-free), got {self.guidance_scale}.")
-        need(self.resolution >= 8, f"resolution must be a positive number of pixels >= 8, got {self.resolution}.")
-        need(self.nft_beta > 0, f"nft_beta must be > 0 (the reference uses 1.0, or 0.1 for OCR), got {self.nft_beta}.")
-        need(self.beta >= 0, f"beta (KL weight) must be >= 0, got {self.beta}.")
-        need(self.adv_clip_max > 0, f"adv_clip_max must be > 0 (reference 5), got {self.adv_clip_max}.")
-        need(
-            0 < self.timestep_fraction <= 1,
-            f"timestep_fraction must be in (0, 1] (reference 0.99), got {self.timestep_fraction}.",
-        )
-        need(
-            self.old_policy_decay in DECAY_TYPES,
-            f"old_policy_decay must be one of {DECAY_TYPES}, got {self.old_policy_decay!r}.",
-        )
-        from .resume import APPLIED_FIELDS, EXACT_FIELDS
-
-        resumable = {*EXACT_FIELDS, *APPLIED_FIELDS, "train_dataset"}
-        unknown = sorted(set(self.resume_allow_changes or []) - resumable)
-        need(
-            not unknown,
-            f"resume_allow_changes names {unknown}, which resume does not check (they may change freely) or which "
-            f"cannot change; the fields it checks: {sorted(resumable)}.",
-        )
-        need(self.hacking_patience >= 0, f"hacking_patience must be >= 0 (0: only log), got {self.hacking_patience}.")
-        need(
-            self.torch_num_threads is None or self.torch_num_threads >= 1,
-            f"torch_num_threads must be >= 1 or unset (torch's default), got {self.torch_num_threads}.",
-        )
-        need(self.max_nonfinite_skips >= 0, f"max_nonfinite_skips must be >= 0, got {self.max_nonfinite_skips}.")
-        need(
-            self.old_policy_update_interval >= 1,
-            f"old_policy_update_interval must be >= 1 (1 = after every optimizer step), got "
-            f"{self.old_policy_update_interval}.",
-        )
-        need(
-            self.scale_rewards in SCALE_REWARDS,
-            f"scale_rewards must be one of {SCALE_REWARDS} (or True = 'group', False = 'none'), got "
-            f"{self.scale_rewards!r}.",
-        )
-        need(
-            self.multi_objective_aggregation in AGGREGATIONS,
-            f"multi_objective_aggregation must be one of {AGGREGATIONS}, got {self.multi_objective_aggregation!r}.",
-        )
-        if self.reward_weights is not None:
-            need(
-                all(math.isfinite(w) for w in self.reward_weights),
-                f"reward_weights must be finite numbers, got {self.reward_weights}.",
-            )
-            self._check_zero_weights()
-        need(
-            self.reward_kwargs is None or isinstance(self.reward_kwargs, dict),
-            "reward_kwargs must map reward names to option dicts.",
-        )
-        need(0 <= self.marble_rho < 1, f"marble_rho must be in [0, 1) (MARBLE: 0.7), got {self.marble_rho}.")
-        need(
-            self.marble_refresh_interval >= 1,
-            f"marble_refresh_interval must be >= 1, got {self.marble_refresh_interval}.",
-        )
-        need(
-            self.marble_gradient_engine in ("auto", "two_stream", "reference"),
-            f"marble_gradient_engine must be 'auto', 'two_stream' or 'reference', got {self.marble_gradient_engine!r}.",
-        )
-        need(
-            self.marble_refresh_update in ("gradient", "advantage"),
-            f"marble_refresh_update must be 'gradient' or 'advantage', got {self.marble_refresh_update!r}.",
-        )
-        need(self.marble_uniform_final_steps >= 0, "marble_uniform_final_steps must be >= 0.")
-        need(
-            0 <= self.param_ema_max_decay < 1,
-            f"param_ema_max_decay must be in [0, 1), got {self.param_ema_max_decay}.",
-        )
-        if self.source_ratios is not None:
-            from .sources import normalise_ratios
-
-            need(isinstance(self.source_ratios, dict), "source_ratios must map source names to ratios.")
-            self.source_ratios = normalise_ratios(self.source_ratios, "source_ratios")
-        need(
-            self.eval_num_sample_steps >= 1,
-            f"eval_num_sample_steps must be >= 1 (reference: 40), got {self.eval_num_sample_steps}.",
-        )
-        need(
-            self.eval_guidance_scale >= 1.0,
-            f"eval_guidance_scale must be >= 1.0 (1.0 = CFG-free), got {self.eval_guidance_scale}.",
-        )
-        need(
-            self.eval_num_images_per_prompt >= 1,
-            f"eval_num_images_per_prompt must be >= 1, got {self.eval_num_images_per_prompt}.",
-        )
-        need(
-            self.eval_grid_prompts >= 0, f"eval_grid_prompts must be >= 0 (0: no grid), got {self.eval_grid_prompts}."
-        )
-        need(self.log_samples >= 0, f"log_samples must be >= 0 (0: off), got {self.log_samples}.")
-        if self.eval_reward_funcs is not None:
-            need(
-                len(self.eval_reward_funcs) > 0,
-                "eval_reward_funcs is empty: name at least one reward, or leave it unset to use the training rewards.",
-            )
-        if self.prompts_per_step is not None:
-            need(self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}.")
-
-    def _check_zero_weights(self) -> None:
-        """All-zero ``reward_weights``: an error where they weight the advantages, a warning where they only weight
-        the logged ``reward`` (MARBLE)."""
-        weights = self.reward_weights
-        if not weights or any(w != 0 for w in weights):
-            return
-        aggregation = self.multi_objective_aggregation
-        # One reward is always plain DiffusionNFT (sum_then_normalize), whatever the aggregation says.
-        if aggregation in WEIGHTED_SUM_AGGREGATIONS or len(weights) == 1:
-            used = aggregation if len(weights) > 1 else "sum_then_normalize (any aggregation, with one reward)"
-            raise ValueError(
-                f"reward_weights are all 0 ({weights}): with {used} the advantage is a weighted sum of the rewards, "
-                "so every advantage would be 0 and nothing would train (grad_norm 0.0). reward_weights enter the "
-                f"advantages only for {' and '.join(WEIGHTED_SUM_AGGREGATIONS)} (and any single-reward run); with "
-                "'marble' they only weight the logged reward. Give at least one reward a non-zero weight, or leave "
-                "reward_weights unset (all 1)."
-            )
-        logger.warning(
-            "reward_weights are all 0 (%s): with multi_objective_aggregation=%r (MARBLE with several rewards) the "
-            "balancer sets the advantage weights, so training is unaffected, but the logged reward, reward_std and "
-            "frac_reward_zero_std are 0. reward_weights enter the advantages only for %s.",
-            weights,
-            aggregation,
-            " and ".join(WEIGHTED_SUM_AGGREGATIONS),
-        )
-
-    def _check_batching(self) -> None:
-        world = self.world_size
-        per_device = self.per_device_train_batch_size
-        if self.prompts_per_step is not None:
-            images = self.prompts_per_step * self.num_generations
-            if images % (per_device * world):
-                raise ValueError(
-                    f"prompts_per_step * num_generations = {images} images per step cannot be split into micro-batches "
-                    f"of per_device_train_batch_size={per_device} on {world} process(es); choose values where "
-                    f"{per_device} * {world} divides {images}."
-                )
-            self.gradient_accumulation_steps = images // (per_device * world)
-        images = per_device * self.gradient_accumulation_steps * world
-        if images % self.num_generations:
-            raise ValueError(
-                f"One optimizer step holds per_device_train_batch_size * gradient_accumulation_steps * num_processes "
-                f"= {per_device} * {self.gradient_accumulation_steps} * {world} = {images} images, which is not a "
-                f"multiple of num_generations={self.num_generations}: groups would be cut. Adjust the batch size, "
-                f"gradient_accumulation_steps, or set prompts_per_step."
-            )
+        check_batching(self)
 
     @property
     def images_per_step(self) -> int:

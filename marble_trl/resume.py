@@ -21,13 +21,14 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-if TYPE_CHECKING:
-    from .trainer import MarbleDiffusionNFTTrainer
+from .checkpoint import read_manifest
+from .guards import non_finite_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +96,6 @@ def dataset_fingerprint(dataset: Any) -> str | None:
 # ------------------------------------------------------------------------------------------- checkpoint validation
 def validate_checkpoint(folder: str | os.PathLike) -> None:
     """Raise :class:`CorruptCheckpointError` naming the first file of ``folder`` that a resume could not use."""
-    from safetensors.torch import load_file
-
-    from .checkpoint import read_manifest
-    from .guards import non_finite_tensors
-
     folder = Path(folder)
     try:
         manifest = read_manifest(folder)
@@ -176,65 +172,3 @@ def resolve_resume(output_dir: str | os.PathLike, resume: str | bool | None) -> 
     raise FileNotFoundError(
         f"resume_from_checkpoint=True but {folder} holds no checkpoint-N folder; start without it, or give a path."
     )
-
-
-# ------------------------------------------------------------------------------------------ configuration changes
-def _jsonable_args(args: Any) -> dict[str, Any]:
-    return json.loads(args.to_json_string())
-
-
-def check_resume_config(trainer: MarbleDiffusionNFTTrainer, manifest: dict[str, Any], folder: Path) -> None:
-    """Refuse a resume whose new configuration changes what the resumed steps compute (see the module docstring)."""
-    old, new = manifest.get("training_args", {}), _jsonable_args(trainer.args)
-    allowed = set(trainer.args.resume_allow_changes or [])
-    changed = {f: (old[f], new.get(f)) for f in (*EXACT_FIELDS, *APPLIED_FIELDS, *FROZEN_FIELDS) if f in old}
-    changed = {f: v for f, v in changed.items() if v[0] != v[1]}
-    old_data, new_data = manifest.get(DATASET_KEY), dataset_fingerprint(trainer.train_dataset)
-    if old_data is not None and new_data is not None and old_data != new_data:
-        changed["train_dataset"] = (f"fingerprint {old_data}", f"fingerprint {new_data}")
-    frozen = {f: v for f, v in changed.items() if f in FROZEN_FIELDS}
-    if frozen:
-        raise ValueError(
-            f"Resuming {folder}: {_describe(frozen)} cannot change on resume (the restored optimizer and scheduler "
-            "states are of the old kind). Keep the old values, or start a new run from the exported LoRA."
-        )
-    refused = {f: v for f, v in changed.items() if f not in allowed}
-    if refused:
-        raise ValueError(
-            f"Resuming {folder} with a changed configuration: {_describe(refused)}. The resumed run would not be "
-            "the one the checkpoint belongs to. Restore the old values, or allow the change with "
-            f"resume_allow_changes={sorted(refused)} (--resume_allow_changes {' '.join(sorted(refused))})."
-        )
-    for field, (before, after) in changed.items():
-        logger.warning(
-            "Resuming %s with %s changed from %r to %r (resume_allow_changes).", folder, field, before, after
-        )
-
-
-def _describe(changes: dict[str, tuple[Any, Any]]) -> str:
-    return ", ".join(f"{f} {a!r} -> {b!r}" for f, (a, b) in changes.items())
-
-
-def apply_changed_hyperparameters(trainer: MarbleDiffusionNFTTrainer, folder: str | os.PathLike) -> None:
-    """After the Trainer restored the optimizer and scheduler: apply an allowed new learning rate / weight decay."""
-    from .checkpoint import read_manifest
-
-    old = read_manifest(folder).get("training_args", {})
-    args = trainer.args
-    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    if "learning_rate" in old and old["learning_rate"] != args.learning_rate and old["learning_rate"] > 0:
-        ratio = args.learning_rate / old["learning_rate"]
-        for group in optimizer.param_groups:
-            group["lr"] *= ratio
-            if "initial_lr" in group:
-                group["initial_lr"] *= ratio
-        scheduler = trainer.lr_scheduler
-        if scheduler is not None and hasattr(scheduler, "base_lrs"):
-            scheduler.base_lrs = [base * ratio for base in scheduler.base_lrs]
-            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
-        logger.warning("Resumed optimizer: learning_rate %r -> %r applied.", old["learning_rate"], args.learning_rate)
-    if "weight_decay" in old and old["weight_decay"] != args.weight_decay:
-        for group in optimizer.param_groups:
-            if group.get("weight_decay") == old["weight_decay"]:  # the no-decay group (if any) keeps its 0
-                group["weight_decay"] = args.weight_decay
-        logger.warning("Resumed optimizer: weight_decay %r -> %r applied.", old["weight_decay"], args.weight_decay)

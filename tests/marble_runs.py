@@ -137,7 +137,7 @@ def restored_trainer(run: ReferenceRun, output_dir, step: int = STEPS, **overrid
     """A fresh trainer holding the reference run's state after ``step`` (its checkpoint, as a resume loads it)."""
     from transformers import TrainerState
 
-    from marble_trl.checkpoint import load_training_state
+    from marble_trl.trainer.checkpointing import load_training_state
 
     trainer = make_trainer(output_dir, **overrides)
     load_training_state(trainer, run.checkpoint(step))

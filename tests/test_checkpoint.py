@@ -19,16 +19,10 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
-from marble_trl.checkpoint import (
-    BALANCER_FILE,
-    EMA_FILE,
-    LORA_FILE,
-    MANIFEST_FILE,
-    OLD_POLICY_FILE,
-    load_training_state,
-    read_manifest,
-)
+from marble_trl.artifacts import BALANCER_FILE, EMA_FILE, LORA_FILE, MANIFEST_FILE, OLD_POLICY_FILE
+from marble_trl.checkpoint import read_manifest
 from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
+from marble_trl.trainer.checkpointing import load_training_state
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning"),
@@ -119,14 +113,15 @@ _KILL_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from marble_runs import make_trainer
-import marble_trl.checkpoint as ck
+import marble_trl.checkpoint as files
+import marble_trl.trainer.checkpointing as ck
 
 out, marker = sys.argv[1], sys.argv[2]
 complete = ck.save_training_state
 
 def slow(trainer, folder):
     if trainer.state.global_step == 3:  # write part of the state, then hang until killed
-        ck.save_lora_file(trainer, folder, ck.adapter_state(trainer.transformer, ck.OLD_ADAPTER), ck.OLD_POLICY_FILE)
+        ck.save_lora_file(trainer, folder, files.adapter_state(trainer.transformer, ck.OLD_ADAPTER), ck.OLD_POLICY_FILE)
         open(marker, "w").close()
         time.sleep(600)
     complete(trainer, folder)
@@ -232,14 +227,14 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
 
 def test_replacing_an_existing_checkpoint_folder(tmp_path):
     """A stale checkpoint-N (an earlier run in the same output_dir) is replaced by the complete new one."""
-    from marble_trl.checkpoint import _replace_dir
+    from marble_trl.checkpoint import replace_dir
 
     stale, new = tmp_path / "checkpoint-2", tmp_path / "tmp-checkpoint-2" / "checkpoint-2"
     stale.mkdir()
     (stale / "old.txt").write_text("old")
     new.mkdir(parents=True)
     (new / MANIFEST_FILE).write_text("{}")
-    _replace_dir(new, stale)
+    replace_dir(new, stale)
     assert sorted(p.name for p in stale.iterdir()) == [MANIFEST_FILE]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "tmp-checkpoint-2"]  # the empty staging root
 
@@ -268,7 +263,7 @@ class _Trainer:
 
 def test_signal_handlers_respect_an_ignored_sigint():
     """Inherited SIG_IGN stays: the callback handles SIGTERM only, and restores both as they were."""
-    from marble_trl.checkpoint import SaveOnSignalCallback
+    from marble_trl.trainer.checkpointing import SaveOnSignalCallback
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the fixtures restore the handlers after the test
     callback = SaveOnSignalCallback(_Trainer())
@@ -288,7 +283,7 @@ def test_signal_handlers_respect_an_ignored_sigint():
 
 def test_signal_handlers_leave_a_non_python_handler_alone(monkeypatch):
     """signal.getsignal() is None for a handler installed outside Python: it could not be restored, so it is kept."""
-    from marble_trl.checkpoint import SaveOnSignalCallback
+    from marble_trl.trainer.checkpointing import SaveOnSignalCallback
 
     real = signal.getsignal
     monkeypatch.setattr(signal, "getsignal", lambda s: None if s == signal.SIGINT else real(s))

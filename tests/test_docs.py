@@ -91,7 +91,7 @@ def test_every_config_field_is_documented():
 
 def test_every_script_argument_is_documented():
     text = (DOCS / "config.md").read_text(encoding="utf-8")
-    fields = _dataclass_fields(ROOT / "marble_trl" / "cli.py", "MarbleScriptArguments")
+    fields = _dataclass_fields(ROOT / "marble_trl" / "commands" / "train.py", "MarbleScriptArguments")
     assert {"model_name_or_path", "reward_funcs"} <= set(fields)
     missing = [name for name in fields if f"`{name}`" not in text]
     assert not missing, f"docs/config.md does not document these MarbleScriptArguments fields: {missing}"
@@ -99,8 +99,9 @@ def test_every_script_argument_is_documented():
 
 def test_every_logged_metric_is_documented():
     source = "\n".join(p.read_text(encoding="utf-8") for p in sorted((ROOT / "marble_trl" / "trainer").glob("*.py")))
-    # Keys of self._metrics, directly or through the per-micro-batch `sums` dict of training_step.
-    names = set(re.findall(r"(?:_metrics|sums)\[f?\"([^\"]+)\"\]", source))
+    # Keys of self._metrics, directly, through a returned `metrics` dict (trainer/metrics.py) or the per-micro-batch
+    # `sums` dict of the timestep loop.
+    names = set(re.findall(r"(?:metrics|sums)\[f?\"([^\"]+)\"\]", source))
     assert {"rewards/{name}/mean", "kl", "nft/loss_pos", "marble/worst_cos", "time/balancer"} <= names
     # Placeholders in the code are written {name} in the docs ({source}, a prompt source, stays {source}).
     names = {re.sub(r"\{(?!source\})[^}]*\}", "{name}", n) for n in names}

@@ -335,7 +335,7 @@ def test_a_diverging_loss_is_warned_about(tmp_path, caplog):
 def test_a_failure_before_training_leaves_the_folder_alone(reference_run, tmp_path):
     """A run refused at start (here: an occupied output_dir) must not overwrite the folder's own metrics.jsonl and
     run_summary.json with its empty ones."""
-    from marble_trl.cli import _save_after_failure
+    from marble_trl.commands.train import _save_after_failure
 
     out = tmp_path / "run"
     _copy_checkpoints(reference_run, out, steps=(3,))

@@ -107,7 +107,7 @@ def init_lora() -> dict[str, torch.Tensor]:
     from trl import TrlParser
 
     from marble_trl import MarbleDiffusionNFTTrainer
-    from marble_trl.cli import MarbleScriptArguments, load_train_dataset
+    from marble_trl.commands.train import MarbleScriptArguments, load_train_dataset
     from marble_trl.nft_config import MarbleDiffusionNFTConfig
 
     parser = TrlParser((MarbleScriptArguments, MarbleDiffusionNFTConfig))

@@ -122,11 +122,8 @@ def test_tiny_pipeline_records_its_name_and_seed(tmp_path, tiny_pipeline):
     pipe = build_tiny_sd3_pipeline(seed=3)
     assert pipe.name_or_path == "tiny" and tiny_seed_of(pipe) == 3 and tiny_seed_of(tiny_pipeline) == 0
 
-    class Trainer:  # base_model_name reads model_name_or_path (None for a pipeline object), then the pipeline
-        model_name_or_path = None
-        pipeline = pipe
-
-    assert base_model_name(Trainer()) == "tiny"
+    # the trainer's model_name_or_path is None for a pipeline object: the pipeline's name is used
+    assert base_model_name(pipe, None) == "tiny" and base_model_name(pipe, "org/model") == "org/model"
     loaded = load_sd3_pipeline(save_tiny_sd3_pipeline(tmp_path / "tiny", seed=3))
     assert loaded.name_or_path == str(tmp_path / "tiny") and tiny_seed_of(loaded) is None  # a folder, not "tiny"
 

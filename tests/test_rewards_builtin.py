@@ -26,14 +26,8 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from marble_trl.rewards import RewardError, available_rewards, from_pil, get_reward, score_rewards, to_pil
-from marble_trl.rewards.clip_family import (
-    AestheticMLP,
-    ImageTransform,
-    hps_transform,
-    open_clip_clean,
-    open_clip_to_transformers,
-    parse_dtype,
-)
+from marble_trl.rewards.clip_family import AestheticMLP, ImageTransform, parse_dtype
+from marble_trl.rewards.hpsv2 import hps_transform, open_clip_clean, open_clip_to_transformers
 from marble_trl.rewards.ocr import levenshtein, ocr_similarity, quoted_text
 
 transformers = pytest.importorskip("transformers")
@@ -587,7 +581,7 @@ def test_hpsv2_without_ftfy_warns(tiny_hps: tuple[Path, Path], monkeypatch: pyte
     clip_dir, ckpt = tiny_hps
     monkeypatch.setitem(sys.modules, "ftfy", None)
     fn = get_reward("hpsv2", model_name_or_path=str(ckpt), clip_name_or_path=str(clip_dir))
-    with caplog.at_level(logging.WARNING, logger="marble_trl.rewards.clip_family"):
+    with caplog.at_level(logging.WARNING, logger="marble_trl.rewards.hpsv2"):
         fn.load()
     assert "ftfy is not installed" in caplog.text and fn._fix_text is None
 

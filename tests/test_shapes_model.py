@@ -105,7 +105,7 @@ def test_ship_then_verify_reproduces_bit_for_bit(tmp_path, monkeypatch):
     does not match the files is reported by name."""
     import functools
 
-    from marble_trl.shapesbench import judges, pretrain
+    from marble_trl.shapesbench import judges, pretrain, ship
 
     monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(shipped, "WEIGHTS", tmp_path / "weights")
@@ -116,11 +116,11 @@ def test_ship_then_verify_reproduces_bit_for_bit(tmp_path, monkeypatch):
     monkeypatch.setattr(
         judges, "JUDGES", {n: judges.JudgeConfig(name=n, seed=i, **small) for i, n in enumerate(judges.JUDGES)}
     )
-    shipped.ship(quiet=True)
+    ship.ship(quiet=True)
     assert (tmp_path / "weights" / "shapes" / "model_index.json").is_file()
-    assert shipped.verify_shipped(quiet=True) == []
+    assert ship.verify_shipped(quiet=True) == []
     manifest = json.loads(shipped.MANIFEST.read_text())
     key = next(iter(manifest["judge"]["tensors"]))
     manifest["judge"]["tensors"][key] = "0" * 64
     shipped.MANIFEST.write_text(json.dumps(manifest))
-    assert shipped.verify_shipped(quiet=True) == ["judge"]
+    assert ship.verify_shipped(quiet=True) == ["judge"]

@@ -54,12 +54,12 @@ def main(argv: list[str] | None = None) -> None:
     from .report import write_report
 
     if args.command == "ship":
-        from .shipped import ship
+        from .ship import ship
 
         print(ship())
         return
     if args.command == "verify-shipped":
-        from .shipped import verify_shipped
+        from .ship import verify_shipped
 
         differ = verify_shipped()
         print("shipped weights reproduced bit for bit" if not differ else f"differ from MANIFEST.json: {differ}")

@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .pretrain import cache_root, config_key
+from .shipped import shipped_judge
 from .world import Scene, all_scenes, sample_corpus, to_tensor
 
 FORMAT_VERSION = 1
@@ -61,8 +63,6 @@ class JudgeConfig:
 
     def key(self) -> str:
         """A short hash of the config (and the format version): the judge's file name."""
-        from .pretrain import config_key
-
         return config_key(self, FORMAT_VERSION)
 
 
@@ -232,15 +232,11 @@ def _fit(config: JudgeConfig, quiet: bool) -> tuple[JudgeNet, list[float]]:
 
 
 def _cache_dir() -> Path:
-    from .pretrain import cache_root
-
     return cache_root() / "judges"
 
 
 def judge_file(config: JudgeConfig) -> Path:
     """Where a judge is found: the package's shipped copy if its hash matches, else the user cache."""
-    from .shipped import shipped_judge
-
     return shipped_judge(config.key()) or _cache_dir() / f"{config.name}-{config.key()}.safetensors"
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..models import build_tiny_sd3_pipeline, predict_velocity
 from .world import all_scenes, sample_corpus, to_tensor
 
 FORMAT_VERSION = 1
@@ -133,8 +134,6 @@ def train_flow(pipe, latents: torch.Tensor, prompt_idx: torch.Tensor, prompts: l
         m.train().requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=1e-4)
     recent: list[float] = []
-    from ..models import predict_velocity
-
     for step in range(config.steps):
         for group in opt.param_groups:
             group["lr"] = config.lr * _cosine_lr(step, config.steps, config.warmup_steps)
@@ -163,8 +162,6 @@ def train_flow(pipe, latents: torch.Tensor, prompt_idx: torch.Tensor, prompts: l
 
 def pretrain(config: PretrainConfig | None = None, force: bool = False, quiet: bool = False) -> Path:
     """Build (or reuse from the cache) the ShapesBench base model; returns its ``save_pretrained`` folder."""
-    from ..models import build_tiny_sd3_pipeline
-
     config = config or PretrainConfig()
     out = model_path(config)
     if (out / "model_index.json").is_file() and not force:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ..rewards.jpeg import jpeg_kb
+from .judges import judge_scores
 from .world import COLORS, NUMBERS
 
 FG_MIN_VALUE = 0.35
@@ -266,23 +267,17 @@ def fidelity(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
 
 def alignment(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
     """Caption alignment by the learned ``alignment`` judge (CLIPScore's role; :mod:`.judges`)."""
-    from .judges import judge_scores
-
     return judge_scores("alignment", prompts, images)
 
 
 def preference(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
     """Preference for a clean, well-drawn image of the caption by the learned ``preference`` judge (PickScore /
     HPS's role; :mod:`.judges`)."""
-    from .judges import judge_scores
-
     return judge_scores("preference", prompts, images)
 
 
 def judge(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
     """The held-out learned judge (UnifiedReward's role): never a training reward (:mod:`.judges`)."""
-    from .judges import judge_scores
-
     return judge_scores("judge", prompts, images)
 
 

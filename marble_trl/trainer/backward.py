@@ -22,8 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..balance import GradientEngine, MarbleBalancer, RefreshInfo, cosine_stats, unflatten, update_cosines
+from ..balance import (
+    GradientEngine,
+    MarbleBalancer,
+    RefreshInfo,
+    cosine_stats,
+    make_gradient_engine,
+    unflatten,
+    update_cosines,
+)
 from ..distributed import backward as deepspeed_backward
+from ..distributed import gathered
 from ..lora import use_old_policy, use_reference
 from ..nft import NFTTerms, add_noise, advantage_to_r, nft_loss, nft_loss_terms
 from .step import MicroBatch
@@ -193,6 +202,21 @@ def micro_batch_loss(
         sums["kl"] += terms.kl.detach().mean()
         sums["nft/policy_deviation"] += ((v_theta.detach() - v_old) ** 2).mean()
     return MicroBatchResult(total, dict(sums), num_train)
+
+
+def per_reward_engine(engine: GradientEngine | None, batch: MicroBatch, kind: str, params: dict, num_rewards: int,
+                      deepspeed: bool, module: torch.nn.Module) -> GradientEngine:  # fmt: skip
+    """The step's per-reward gradient engine: ``engine``, or a new one of ``kind`` (``marble_gradient_engine``) on
+    first use; its buffers are zeroed at the step's first micro-batch."""
+    if engine is None:
+        params = list(params.values())
+        # Under DeepSpeed the update's gradient is not in .grad: the cosine diagnostics get it as one more row.
+        extra_row = int(deepspeed and batch.plan.mode == "cosines")
+        with gathered(params):  # ZeRO-3: the engine sizes its buffers from the full (gathered) parameters
+            engine = make_gradient_engine(kind, params, num_rewards + extra_row, module)
+    if batch.index == 0:
+        engine.reset()
+    return engine
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""One optimizer step's plan: rewards gathered in the global sampler order, the step's mode and single advantage,
+"""One optimizer step's plan: rollouts, rewards gathered in the global sampler order, the step's mode and single advantage,
 and the micro-batches that the timestep loop (:mod:`.backward`) trains on.
 
 The rule that maps micro-batches to processes lives here only: accelerate hands global batch ``j`` to process
@@ -20,6 +20,37 @@ from ..balance import MarbleBalancer
 from ..models import Conditioning
 
 StepMode = Literal["plain", "cosines", "refresh", "amortised"]
+
+
+def encode_prompts_and_negative(adapter, prompts: list[str], args, device) -> tuple[Conditioning, Conditioning | None]:
+    """The prompts' conditioning, and the negative prompt's when CFG is on (``guidance_scale > 1``)."""
+    embeds = adapter.encode(prompts, args.max_sequence_length, device)
+    negative = None
+    if args.guidance_scale > 1.0:
+        negative = adapter.encode([args.negative_prompt] * len(prompts), args.max_sequence_length, device)
+    return embeds, negative
+
+
+def rollouts(
+    adapter, scheduler, embeds, negative, micro: int, count: int, args, generator: Callable[[int], torch.Generator]
+):
+    """The step's rollouts, ``count`` micro-batches of ``micro`` prompts (call under the old-policy adapter):
+    clean latents (float32) and decoded images; ``generator(m)`` seeds micro-batch ``m``'s initial noise."""
+    latents, images = [], []
+    for m in range(count):
+        sl = slice(m * micro, (m + 1) * micro)
+        x0 = adapter.sample(
+            scheduler,
+            embeds.index(sl),
+            args.num_sample_steps,
+            args.resolution,
+            generator(m),
+            args.guidance_scale,
+            negative.index(sl) if negative is not None else None,
+        )
+        latents.append(x0.float())
+        images.append(adapter.decode(x0))
+    return torch.cat(latents), torch.cat(images)
 
 
 def global_batch_index(micro_batch: int, world: int, rank: int) -> int:

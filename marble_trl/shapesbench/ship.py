@@ -1,0 +1,73 @@
+"""Building, shipping and verifying the weights in ``marble_trl/shapesbench/weights/`` (see :mod:`.shipped`).
+
+python -m marble_trl.shapesbench ship            # (re)build and copy into the package folder
+python -m marble_trl.shapesbench verify-shipped  # rebuild from scratch in a temporary cache and compare
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from . import judges, pretrain, shipped
+
+# Module references (not names) so that tests can point the build at tiny configs and a temporary folder.
+
+
+def build_all(quiet: bool = True) -> dict[str, Path]:
+    """Build (or find in the cache) the base model and every judge: ``{name: path}``."""
+    built = {"shapes": pretrain.pretrain(pretrain.PretrainConfig(), quiet=quiet)}
+    for name, config in judges.JUDGES.items():
+        built[name] = judges.build_judge(config, quiet=quiet)
+    return built
+
+
+def manifest(built: dict[str, Path]) -> dict:
+    entries = {
+        "shapes": {"config_key": pretrain.PretrainConfig().key(), "tensors": shipped.tensor_hashes(built["shapes"])}
+    }
+    for name, config in judges.JUDGES.items():
+        entries[name] = {"config_key": config.key(), "tensors": shipped.tensor_hashes(built[name])}
+    return entries
+
+
+def ship(quiet: bool = False) -> Path:
+    """Copy the base model and the judges into the package folder and write ``shipped.MANIFEST.json``."""
+    built = build_all(quiet=quiet)
+    shipped.WEIGHTS.mkdir(parents=True, exist_ok=True)
+    target = shipped.WEIGHTS / "shapes"
+    if built["shapes"].resolve() != target.resolve():
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(built["shapes"], target)
+    for old in shipped.WEIGHTS.glob("*.safetensors"):
+        if old.name not in {f"{n}-{c.key()}.safetensors" for n, c in judges.JUDGES.items()}:
+            old.unlink()
+    for name, config in judges.JUDGES.items():
+        dst = shipped.WEIGHTS / f"{name}-{config.key()}.safetensors"
+        if built[name].resolve() != dst.resolve():
+            shutil.copyfile(built[name], dst)
+    shipped.MANIFEST.write_text(json.dumps(manifest(built), indent=1, sort_keys=True) + "\n")
+    return shipped.WEIGHTS
+
+
+def verify_shipped(quiet: bool = False) -> list[str]:
+    """Rebuild everything from scratch in a temporary cache and compare its tensors with ``shipped.MANIFEST.json``; returns
+    the names whose tensors differ (empty: the shipped weights are reproduced bit for bit)."""
+    expected = json.loads(shipped.MANIFEST.read_text())
+    old = os.environ.get("MARBLE_TRL_CACHE")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["MARBLE_TRL_CACHE"] = tmp
+        try:
+            built = {"shapes": pretrain.pretrain(pretrain.PretrainConfig(), force=True, quiet=quiet)}
+            for name, config in judges.JUDGES.items():
+                built[name] = judges.build_judge(config, force=True, quiet=quiet)
+            got = manifest(built)
+        finally:
+            if old is None:
+                os.environ.pop("MARBLE_TRL_CACHE", None)
+            else:
+                os.environ["MARBLE_TRL_CACHE"] = old
+    return [name for name in expected if expected[name] != got.get(name)]

@@ -1,0 +1,477 @@
+"""The trainer's checkpoints: what a checkpoint holds beyond the Trainer's own files, written atomically, loaded for
+an exact resume (with the checks of :mod:`marble_trl.resume`), a checkpoint on SIGTERM / SIGINT and after a crash,
+and the best checkpoint of ``load_best_model_at_end``. The folder format is :mod:`marble_trl.checkpoint`'s
+(file names in :mod:`marble_trl.artifacts`); these functions take the trainer whose state they save or restore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+
+from .._version import __version__
+from ..artifacts import (
+    BALANCER_FILE,
+    EMA_FILE,
+    LORA_FILE,
+    LORA_KEY_PREFIX,
+    MANIFEST_FILE,
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    OLD_POLICY_FILE,
+    STAGING_PREFIX,
+    TRAINER_STATE_FILE,
+    lora_key,
+)
+from ..checkpoint import (
+    adapter_state,
+    base_model_name,
+    check_keys,
+    fsync_dir,
+    fsync_tree,
+    jsonable,
+    load_adapter_state,
+    read_manifest,
+    replace_dir,
+    write_json,
+)
+from ..distributed import gathered
+from ..guards import non_finite_tensors
+from ..lora import OLD_ADAPTER, TRAIN_ADAPTER, master_weights
+from ..output_dir import OutputDirLock, check_not_overwriting
+from ..resume import APPLIED_FIELDS, DATASET_KEY, EXACT_FIELDS, FROZEN_FIELDS, dataset_fingerprint, resolve_resume
+
+logger = logging.getLogger(__name__)
+
+
+def save_lora_file(trainer: Trainer, folder: str | os.PathLike, layers: dict, weight_name: str):
+    """Write ``layers`` (diffusers keys, with the ``transformer.`` prefix) like the trainer's own LoRA file."""
+    unprefixed = {k[len(LORA_KEY_PREFIX) :]: v for k, v in layers.items()}
+    type(trainer.pipeline).save_lora_weights(
+        str(folder),
+        transformer_lora_layers=unprefixed,
+        transformer_lora_adapter_metadata=trainer.peft_config.to_dict(),
+        weight_name=weight_name,
+    )
+
+
+def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
+    """Write the old-policy adapter, the parameter EMA, the balancer state and the manifest into ``folder``.
+
+    ``folder`` already holds the trained LoRA (``_save``) and the Trainer's files. Main process only.
+    """
+    if not trainer.args.should_save:
+        return
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str | None] = {
+        "lora": LORA_FILE,
+        "old_policy": OLD_POLICY_FILE,
+        "param_ema": None,
+        "balancer": None,
+    }
+    old = adapter_state(trainer.transformer, OLD_ADAPTER)
+    master = trainer.old_policy.master_state()  # DeepSpeed bf16: the float32 weights, not the rounded adapter
+    if master is not None:
+        old = {lora_key(n, OLD_ADAPTER): t.contiguous() for n, t in master.items()}
+    save_lora_file(trainer, folder, old, OLD_POLICY_FILE)
+    if trainer.param_ema is not None:
+        ema = {lora_key(n, TRAIN_ADAPTER): t.contiguous() for n, t in trainer.param_ema.state_dict().items()}
+        save_lora_file(trainer, folder, ema, EMA_FILE)
+        files["param_ema"] = EMA_FILE
+    if trainer.balancer is not None:
+        write_json(folder / BALANCER_FILE, trainer.balancer.state_dict())
+        files["balancer"] = BALANCER_FILE
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "marble_trl_version": __version__,
+        "global_step": trainer.state.global_step,
+        "base_model": base_model_name(trainer.pipeline, trainer.model_name_or_path),
+        "reward_names": list(trainer.reward_names),
+        "reward_weights": [float(w) for w in trainer.reward_weights],
+        "aggregation": trainer.aggregation,
+        DATASET_KEY: dataset_fingerprint(trainer.train_dataset),
+        "files": files,
+        "lora_config": json.loads(json.dumps(trainer.peft_config.to_dict(), default=jsonable)),
+        "training_args": json.loads(trainer.args.to_json_string()),
+    }
+    write_json(folder / MANIFEST_FILE, manifest)  # last: its presence marks a complete marble_trl checkpoint
+
+
+def load_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
+    """Restore the trained and old-policy adapters, the parameter EMA and the balancer from a checkpoint folder.
+
+    The Trainer restores the rest itself (optimizer, scheduler, RNG states, global step, data position).
+    """
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if list(manifest["reward_names"]) != list(trainer.reward_names):
+        raise ValueError(
+            f"{folder} was trained with rewards {manifest['reward_names']}, this trainer has {trainer.reward_names}: "
+            "resuming with other rewards is not an exact resume (start a new run from the exported LoRA instead)."
+        )
+    if manifest["aggregation"] != trainer.aggregation:
+        raise ValueError(
+            f"{folder} was trained with multi_objective_aggregation {manifest['aggregation']!r}, this trainer uses "
+            f"{trainer.aggregation!r}."
+        )
+    check_resume_config(trainer, manifest, folder)
+    files = manifest["files"]
+    transformer = trainer.transformer
+    load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
+    load_adapter_state(transformer, OLD_ADAPTER, folder / files["old_policy"])
+    trainer.old_policy.reset()  # the adapter (float32 outside DeepSpeed, where resuming is refused) is the truth
+    if trainer.param_ema is not None:
+        if not files.get("param_ema"):
+            raise ValueError(f"{folder} has no parameter EMA (trained with param_ema=False); this trainer has one.")
+        from safetensors.torch import load_file
+
+        state = load_file(str(folder / files["param_ema"]))
+        names = list(trainer.param_ema.state_dict())
+        check_keys(set(state), {lora_key(n, TRAIN_ADAPTER) for n in names}, "parameter EMA", folder)
+        trainer.param_ema.load_state_dict({n: state[lora_key(n, TRAIN_ADAPTER)] for n in names})
+    elif files.get("param_ema"):
+        logger.warning("%s holds a parameter EMA but this trainer has param_ema=False: the EMA is dropped.", folder)
+    if trainer.balancer is not None:
+        trainer.balancer.load_state_dict(json.loads((folder / files["balancer"]).read_text(encoding="utf-8")))
+    logger.info("Restored the LoRA adapters%s from %s.", ", EMA and MARBLE state" if trainer.balancer else "", folder)
+
+
+def save_checkpoint_atomically(trainer: Trainer, save, model, trial) -> None:
+    """Run the Trainer's ``_save_checkpoint`` (``save``) into a staging folder, add the training state, then rename.
+
+    The trainer's ``_get_output_dir`` returns ``trainer._checkpoint_staging_root`` while it is set, so the Trainer
+    writes everything (model, optimizer, scheduler, per-process RNG states, trainer state) under the staging folder;
+    pushes to the Hub wait for the rename.
+    """
+    args = trainer.args
+    run_dir = Path(trainer._get_output_dir(trial=trial))
+    name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    staging_root = run_dir / f"{STAGING_PREFIX}{name}"
+    final = run_dir / name
+    if args.should_save:
+        shutil.rmtree(staging_root, ignore_errors=True)  # left by a crash during an earlier save of this step
+        staging_root.mkdir(parents=True)
+    trainer.accelerator.wait_for_everyone()
+    trainer._checkpoint_staging_root = str(staging_root)
+    try:
+        save(model, trial)
+        save_training_state(trainer, staging_root / name)
+    finally:
+        trainer._checkpoint_staging_root = None
+    trainer.accelerator.wait_for_everyone()
+    if args.should_save:
+        fsync_tree(staging_root / name)
+        replace_dir(staging_root / name, final)
+        staging_root.rmdir()
+        fsync_dir(run_dir)
+        rotate_checkpoints(
+            output_dir=str(run_dir),
+            save_total_limit=args.save_total_limit,
+            best_model_checkpoint=trainer.state.best_model_checkpoint,
+            use_mtime=True,
+        )
+    trainer.accelerator.wait_for_everyone()
+    if args.push_to_hub:
+        trainer._push_from_checkpoint(str(final))
+
+
+# ------------------------------------------------------------------------------------------------ SIGTERM / SIGINT
+class SaveOnSignalCallback(TrainerCallback):
+    """On SIGTERM or SIGINT, finish the current optimizer step, write a checkpoint and stop training cleanly.
+
+    ``trainer.train()`` then returns normally and ``trainer.stopped_by_signal`` names the signal. A second signal
+    restores the previous handlers and re-delivers itself (Ctrl-C twice aborts without saving). The checkpoint is
+    written even with ``save_strategy="no"``. With several processes the flag is all-reduced at each step end, so
+    all of them stop at the same step. Remove it with ``trainer.remove_callback(SaveOnSignalCallback)``.
+
+    Handlers are installed by :func:`training_session` around ``trainer.train()`` (main thread only). A signal the
+    process inherited as ignored stays ignored: a background job (``cmd &``) keeps ignoring SIGINT, SIGTERM still
+    writes its checkpoint.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.received: int | None = None
+        trainer.stopped_by_signal = None
+
+    def handle(self, signum: int, frame) -> None:
+        if self.received is not None:
+            # Second signal: give up on the clean stop and let the previous handler act (default: terminate).
+            self.restore()
+            signal.raise_signal(signum)
+            return
+        self.received = signum
+        logger.warning(
+            "Received %s: a checkpoint will be written at the end of the current optimizer step, then training "
+            "stops. Send it again to abort without saving.",
+            signal.Signals(signum).name,
+        )
+
+    def install(self) -> None:
+        """Handle the signals this process does not ignore.
+
+        A signal inherited as ignored stays ignored (the Unix convention: a non-interactive shell starts background
+        jobs, ``cmd &``, with SIGINT ignored, so that an interrupt meant for the foreground job does not reach them;
+        ``nohup`` does the same with SIGHUP). A handler installed outside Python (``signal.getsignal`` returns
+        ``None``) is left alone too: it could not be restored afterwards.
+        """
+        self.received = None
+        self.trainer.stopped_by_signal = None
+        self._previous = {}
+        for s in self.SIGNALS:
+            previous = signal.getsignal(s)
+            if previous is signal.SIG_IGN or previous is None:
+                name = signal.Signals(s).name
+                how = "ignored" if previous is signal.SIG_IGN else "handled outside Python"
+                logger.info("%s is %s in this process: left as it is (no checkpoint on %s).", name, how, name)
+                continue
+            self._previous[s] = signal.signal(s, self.handle)
+
+    def restore(self) -> None:
+        for s, handler in getattr(self, "_previous", {}).items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _any_process_received(self) -> bool:
+        flag = self.received is not None
+        accelerator = self.trainer.accelerator
+        if accelerator.num_processes > 1:
+            t = torch.tensor([float(flag)], device=accelerator.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            flag = bool(t.item())
+        return flag
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._any_process_received():
+            control.should_save = True
+            control.should_training_stop = True
+            name = signal.Signals(self.received).name if self.received is not None else "a signal on another process"
+            self.trainer.stopped_by_signal = name
+            logger.warning("Stopping at step %d after %s; saving a checkpoint.", state.global_step, name)
+        return control
+
+
+@contextlib.contextmanager
+def training_session(trainer: Trainer, resume_from_checkpoint=None) -> Iterator[str | None]:
+    """Around ``trainer.train()``: refuse resumes this module cannot make exact, hold the ``output_dir`` lock, refuse to
+    write over an earlier run, pick the checkpoint to resume from (yielded: the newest *valid* one for ``True``),
+    install the :class:`SaveOnSignalCallback` handlers, and write an emergency checkpoint when training raises.
+    Everything is undone on exit, also on errors."""
+    if resume_from_checkpoint and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+        raise NotImplementedError(
+            "Resuming under DeepSpeed / FSDP is not supported yet: the Trainer loads those checkpoints through the "
+            "engine and would skip the old-policy adapter, the parameter EMA and the MARBLE state. Resume with DDP "
+            "or a single process (checkpoints are engine-independent), or start from the exported LoRA."
+        )
+    args = trainer.args
+    lock = OutputDirLock(args.output_dir) if args.should_save else None
+    if lock is not None:
+        lock.acquire()
+    callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SaveOnSignalCallback)), None)
+    active = callback is not None and threading.current_thread() is threading.main_thread()
+    try:
+        check_not_overwriting(args.output_dir, bool(resume_from_checkpoint), args.overwrite_output_dir)
+        resume = resolve_resume(args.output_dir, resume_from_checkpoint)
+        if active:
+            callback.install()
+        try:
+            yield resume
+        except Exception as error:
+            save_emergency_checkpoint(trainer, error)
+            raise
+        finally:
+            if active:
+                callback.restore()
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def save_emergency_checkpoint(trainer: Trainer, error: BaseException) -> str | None:
+    """After ``train()`` raised: write an atomic checkpoint of the last completed step (the state a step-end save
+    would have written: a step interrupted midway changed no parameter), so the run resumes from there. Skipped
+    before the first step, when that step's checkpoint exists, with non-finite weights (never saved), and with
+    several processes (a save is collective and the other processes may be stuck). Returns the folder or None."""
+    step = trainer.state.global_step
+    folder = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+    reason = None
+    if step == 0:
+        reason = "no optimizer step was completed"
+    elif trainer.accelerator.num_processes > 1:
+        reason = "a save needs every process, and with several processes the others may be stuck"
+    elif folder.is_dir():
+        reason = f"{folder} already exists"
+    else:
+        tensors = {n: p.detach() for n, p in trainer.transformer.named_parameters() if "lora_" in n}
+        if trainer.param_ema is not None:
+            tensors.update({f"ema.{n}": t for n, t in trainer.param_ema.state_dict().items()})
+        if non_finite_tensors(tensors):
+            reason = "an adapter or the EMA is not finite"
+    if reason is not None:
+        logger.error(
+            "Training failed at step %d (%s: %s); no emergency checkpoint: %s.",
+            step,
+            type(error).__name__,
+            error,
+            reason,
+        )
+        return None
+    try:
+        trainer._save_checkpoint(trainer.model, trial=None)
+    except Exception as save_error:  # the original error matters more: report both, raise the original
+        logger.error("Training failed (%r) and the emergency checkpoint failed too: %r", error, save_error)
+        return None
+    logger.error(
+        "Training failed at step %d (%s: %s). Emergency checkpoint: %s (resume with --resume_from_checkpoint true).",
+        step,
+        type(error).__name__,
+        error,
+        folder,
+    )
+    trainer.emergency_checkpoint = str(folder)
+    return str(folder)
+
+
+# ------------------------------------------------------------------------------------------ configuration changes
+def _jsonable_args(args: Any) -> dict[str, Any]:
+    return json.loads(args.to_json_string())
+
+
+def check_resume_config(trainer: Trainer, manifest: dict[str, Any], folder: Path) -> None:
+    """Refuse a resume whose new configuration changes what the resumed steps compute (see the module docstring)."""
+    old, new = manifest.get("training_args", {}), _jsonable_args(trainer.args)
+    allowed = set(trainer.args.resume_allow_changes or [])
+    changed = {f: (old[f], new.get(f)) for f in (*EXACT_FIELDS, *APPLIED_FIELDS, *FROZEN_FIELDS) if f in old}
+    changed = {f: v for f, v in changed.items() if v[0] != v[1]}
+    old_data, new_data = manifest.get(DATASET_KEY), dataset_fingerprint(trainer.train_dataset)
+    if old_data is not None and new_data is not None and old_data != new_data:
+        changed["train_dataset"] = (f"fingerprint {old_data}", f"fingerprint {new_data}")
+    frozen = {f: v for f, v in changed.items() if f in FROZEN_FIELDS}
+    if frozen:
+        raise ValueError(
+            f"Resuming {folder}: {_describe(frozen)} cannot change on resume (the restored optimizer and scheduler "
+            "states are of the old kind). Keep the old values, or start a new run from the exported LoRA."
+        )
+    refused = {f: v for f, v in changed.items() if f not in allowed}
+    if refused:
+        raise ValueError(
+            f"Resuming {folder} with a changed configuration: {_describe(refused)}. The resumed run would not be "
+            "the one the checkpoint belongs to. Restore the old values, or allow the change with "
+            f"resume_allow_changes={sorted(refused)} (--resume_allow_changes {' '.join(sorted(refused))})."
+        )
+    for field, (before, after) in changed.items():
+        logger.warning(
+            "Resuming %s with %s changed from %r to %r (resume_allow_changes).", folder, field, before, after
+        )
+
+
+def _describe(changes: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{f} {a!r} -> {b!r}" for f, (a, b) in changes.items())
+
+
+def apply_changed_hyperparameters(trainer: Trainer, folder: str | os.PathLike) -> None:
+    """After the Trainer restored the optimizer and scheduler: apply an allowed new learning rate / weight decay."""
+    old = read_manifest(folder).get("training_args", {})
+    args = trainer.args
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    if "learning_rate" in old and old["learning_rate"] != args.learning_rate and old["learning_rate"] > 0:
+        ratio = args.learning_rate / old["learning_rate"]
+        for group in optimizer.param_groups:
+            group["lr"] *= ratio
+            if "initial_lr" in group:
+                group["initial_lr"] *= ratio
+        scheduler = trainer.lr_scheduler
+        if scheduler is not None and hasattr(scheduler, "base_lrs"):
+            scheduler.base_lrs = [base * ratio for base in scheduler.base_lrs]
+            scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+        logger.warning("Resumed optimizer: learning_rate %r -> %r applied.", old["learning_rate"], args.learning_rate)
+    if "weight_decay" in old and old["weight_decay"] != args.weight_decay:
+        for group in optimizer.param_groups:
+            if group.get("weight_decay") == old["weight_decay"]:  # the no-decay group (if any) keeps its 0
+                group["weight_decay"] = args.weight_decay
+        logger.warning("Resumed optimizer: weight_decay %r -> %r applied.", old["weight_decay"], args.weight_decay)
+
+
+def record_best_checkpoint(trainer: Trainer, run_dir: str) -> None:
+    """After the Trainer's ``_save_checkpoint`` ran into the staging folder: set ``state.best_model_checkpoint`` to
+    ``run_dir/checkpoint-{best_global_step}`` (the folder this save is renamed to, or an earlier one) and rewrite the
+    staged ``trainer_state.json`` with it, so rotation keeps the best checkpoint and a resume finds it."""
+    state, args = trainer.state, trainer.args
+    step = state.best_global_step
+    if not step or args.save_strategy not in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST):
+        return
+    path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+    if step != state.global_step and not os.path.isdir(path):
+        return
+    state.best_model_checkpoint = path
+    staging = getattr(trainer, "_checkpoint_staging_root", None)
+    if args.should_save and staging:
+        state.save_to_json(os.path.join(staging, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", TRAINER_STATE_FILE))
+
+
+def load_best_checkpoint(trainer: Trainer) -> None:
+    """``load_best_model_at_end``: copy the trained LoRA, the old-policy adapter and the parameter EMA (which the
+    evaluation scored when ``eval_use_param_ema``) of ``state.best_model_checkpoint`` into the trainer."""
+    folder = Path(trainer.state.best_model_checkpoint)
+    if trainer.is_deepspeed_enabled:
+        logger.warning(
+            "load_best_model_at_end is not supported with DeepSpeed here: the final weights are kept. The best "
+            "checkpoint (%s, %s = %s) exports with `marble-trl export --checkpoint %s`.",
+            folder,
+            trainer.args.metric_for_best_model,
+            trainer.state.best_metric,
+            folder,
+        )
+        return
+    files = read_manifest(folder)["files"]
+    transformer = trainer.transformer
+    load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
+    load_adapter_state(transformer, OLD_ADAPTER, folder / files["old_policy"])
+    trainer.old_policy.reset()
+    if trainer.param_ema is not None and files.get("param_ema"):
+        from safetensors.torch import load_file
+
+        state = load_file(str(folder / files["param_ema"]))
+        names = list(trainer.param_ema.state_dict())
+        check_keys(set(state), {lora_key(n, TRAIN_ADAPTER) for n in names}, "parameter EMA", folder)
+        trainer.param_ema.load_state_dict({n: state[lora_key(n, TRAIN_ADAPTER)] for n in names})
+    logger.info(
+        "Loaded the best checkpoint %s (%s = %s).",
+        folder,
+        trainer.args.metric_for_best_model,
+        trainer.state.best_metric,
+    )
+
+
+def trained_lora_layers(
+    transformer: torch.nn.Module, params: dict[str, torch.nn.Parameter]
+) -> dict[str, torch.Tensor]:
+    """The trained adapter's tensors under diffusers' keys without the prefix (``save_lora_weights``' input), as CPU
+    copies. ZeRO-3 may partition the LoRA: every process must call this (it gathers); DeepSpeed bf16 keeps the float32
+    weights in its optimizer, and those are saved, not the rounded module copy."""
+    from peft.utils import get_peft_model_state_dict  # peft's utils import transformers' model zoo
+
+    with gathered(params.values()):
+        layers = get_peft_model_state_dict(transformer, adapter_name=TRAIN_ADAPTER)
+        masters = {name.replace(f".{TRAIN_ADAPTER}.", "."): v for name, v in master_weights(params).items()}
+        if set(masters) != set(layers):
+            raise RuntimeError(
+                f"peft's LoRA keys {sorted(layers)[:2]} do not match the parameters {sorted(masters)[:2]}."
+            )
+        return {name: value.cpu().clone() for name, value in masters.items()}

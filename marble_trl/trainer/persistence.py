@@ -1,0 +1,107 @@
+"""The trainer's saving, checkpoint and Hub hooks (a mixin of :class:`~marble_trl.trainer.MarbleDiffusionNFTTrainer`):
+each ``transformers.Trainer`` hook it overrides delegates to :mod:`.checkpointing` or :mod:`.publishing`.
+
+- ``_save``: the LoRA in diffusers format (``pytorch_lora_weights.safetensors`` with adapter metadata) instead of the
+  whole transformer, the pickled config and ``marble_trl.json``;
+- ``train``: SIGTERM / SIGINT write a checkpoint at the next step end and stop; an emergency checkpoint on a crash;
+- ``_save_checkpoint`` / ``_get_output_dir``: atomic checkpoints (written under a staging folder, then renamed);
+- ``_load_from_checkpoint`` / ``_load_optimizer_and_scheduler``: exact resume, with allowed hyperparameter changes;
+- ``_load_best_model``: ``load_best_model_at_end`` restores the best checkpoint's LoRA adapters;
+- ``create_model_card`` / ``init_hf_repo`` / ``push_to_hub`` / ``_push_from_checkpoint``: a diffusers LoRA card and
+  Hub uploads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..artifacts import TRAINING_ARGS_FILE
+from ..console import torch_threads
+from ..hub import write_export_config
+from .checkpointing import (
+    apply_changed_hyperparameters,
+    load_best_checkpoint,
+    load_training_state,
+    record_best_checkpoint,
+    save_checkpoint_atomically,
+    trained_lora_layers,
+    training_session,
+)
+from .publishing import card_info_from_trainer, init_repo, push_checkpoint, push_trainer, write_trainer_card
+
+
+class PersistenceHooks:
+    """Saving, checkpoints and the Hub for the trainer (mixed in before TRL's trainer base)."""
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """Save the trained LoRA in diffusers format (``pytorch_lora_weights.safetensors`` with adapter metadata),
+        loadable with ``StableDiffusion3Pipeline.load_lora_weights``."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        layers = trained_lora_layers(self.transformer, self.trainable_parameters())  # every process (ZeRO-3)
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self.model_adapter.save_lora(output_dir, layers, self.peft_config.to_dict())
+        torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_FILE))
+        # marble_trl.json: base model and sampler settings, the defaults of `marble-trl generate --lora <folder>`.
+        write_export_config(output_dir, card_info_from_trainer(self))
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None, **card_fields) -> None:
+        """Write a diffusers LoRA model card (README.md) and ``marble_trl.json`` to ``output_dir`` (see
+        :mod:`marble_trl.hub`); TRL's card is a language-model card."""
+        tags = [tags] if isinstance(tags, str) else tags
+        write_trainer_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags, **card_fields)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``transformers.Trainer.train``; SIGTERM / SIGINT write a checkpoint at the next step end and stop. Runs with
+        ``torch_num_threads`` CPU threads when set (torch's count is restored afterwards)."""
+        with torch_threads(self.args.torch_num_threads), training_session(self, resume_from_checkpoint) as resume:
+            return super().train(resume, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        base = super()
+
+        def save(model, trial) -> None:
+            base._save_checkpoint(model, trial)
+            record_best_checkpoint(self, base._get_output_dir(trial))  # the real folder, not the staging one
+
+        save_checkpoint_atomically(self, save, model, trial)
+
+    def _load_best_model(self) -> None:
+        # load_best_model_at_end: the Trainer's version looks for a full model file; restore the LoRA adapters.
+        load_best_checkpoint(self)
+
+    def _get_output_dir(self, trial) -> str:
+        # While a checkpoint is being written, the Trainer writes under the staging folder (see _save_checkpoint).
+        return getattr(self, "_checkpoint_staging_root", None) or super()._get_output_dir(trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        load_training_state(self, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # The restored optimizer / scheduler states carry the old learning rate: apply an allowed new one.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            apply_changed_hyperparameters(self, checkpoint)
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        init_repo(self, token=token, private=private)
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs,
+    ):
+        """Save the LoRA to ``output_dir`` (``ema=True``: the parameter EMA), render ``num_samples`` sample images
+        (or ``sample_prompts``), write the model card and upload ``output_dir`` without checkpoints."""
+        return push_trainer(self, commit_message, blocking, token, revision, private, **kwargs)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        if getattr(self, "_checkpoint_staging_root", None) is None:  # pushed once the checkpoint is renamed
+            push_checkpoint(self, checkpoint_folder)

@@ -1,0 +1,153 @@
+"""What the trainer's constructor resolves before it builds anything: the LoRA config, the rewards and their weights,
+the aggregation, the evaluation rewards and the prompt sources' ratios. Each check names the field and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..data import GroupSampler, check_prompt_dataset
+from ..rewards import RewardFunc, check_reward_funcs, resolve_reward_funcs, reward_name
+from ..sources import SOURCE_COLUMN
+
+FROZEN_COMPONENTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+
+
+def check_inputs(train_dataset, eval_dataset, reward_funcs, args) -> None:
+    """The checks that can fail before the model loads: the datasets, the callable rewards' signatures (named ones are
+    checked once resolved), a mixture's ``source_ratios``."""
+    check_prompt_dataset(train_dataset)
+    train_columns = getattr(train_dataset, "column_names", None)
+    specs = [reward_funcs] if isinstance(reward_funcs, str) or callable(reward_funcs) else list(reward_funcs)
+    check_reward_funcs([f for f in specs if callable(f)], columns=train_columns)
+    source_indices(train_dataset, args.source_ratios)
+    for name, dataset in eval_datasets(eval_dataset):
+        check_prompt_dataset(dataset, name=name)
+
+
+def lora_config(args, peft_config=None):
+    """``peft_config``, or one built from the ``lora_*`` fields of ``args``; a zero ``lora_alpha`` is an error."""
+    if peft_config is None:
+        from peft import LoraConfig  # peft imports transformers' model zoo: only when the trainer builds one
+
+        init = {"true": True, "false": False}.get(str(args.lora_init).lower(), args.lora_init)
+        peft_config = LoraConfig(
+            r=args.lora_r,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+            init_lora_weights=init,
+            target_modules=list(args.lora_target_modules),
+        )
+    if getattr(peft_config, "lora_alpha", None) == 0:
+        raise ValueError(
+            "peft_config.lora_alpha is 0: the adapter's output is scaled by lora_alpha / r, so training would never "
+            "change the model. Use a positive lora_alpha (e.g. 2 r)."
+        )
+    return peft_config
+
+
+def check_resolution(resolution: int, factor: int) -> None:
+    if resolution % factor:
+        raise ValueError(
+            f"resolution={resolution} must be a multiple of {factor} (VAE factor x patch size) for this pipeline."
+        )
+
+
+def training_rewards(reward_funcs, args, columns) -> tuple[list[RewardFunc], list[str], torch.Tensor]:
+    """The resolved training rewards, their (unique) names and their weights (``reward_weights`` or ones)."""
+    funcs = resolve_reward_funcs(reward_funcs, args.reward_kwargs)
+    names = [reward_name(f) for f in funcs]
+    check_reward_funcs(funcs, names, columns)  # (prompts, images, **columns)
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"Reward names must be unique (they name the logged metrics), got {names}; give each callable a distinct "
+            "__name__."
+        )
+    if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
+        raise ValueError(f"reward_weights has {len(args.reward_weights)} entries for {len(funcs)} rewards ({names}).")
+    weights = args.reward_weights if args.reward_weights is not None else [1.0] * len(funcs)
+    return funcs, names, torch.tensor(weights, dtype=torch.float32)
+
+
+def resolve_aggregation(requested: str, num_rewards: int) -> str:
+    """'auto' is MARBLE with several rewards; with one reward every aggregation is plain DiffusionNFT (the reward's
+    weight, normalised away, does not scale the advantage)."""
+    if num_rewards == 1:
+        return "sum_then_normalize"
+    return "marble" if requested == "auto" else requested
+
+
+def eval_rewards(specs, args, funcs: list[RewardFunc], names: list[str]) -> tuple[list[RewardFunc], list[str]]:
+    """The evaluation rewards: the training rewards unless given; a training reward's name reuses its instance."""
+    specs = specs if specs is not None else args.eval_reward_funcs
+    if specs is None:
+        return list(funcs), list(names)
+    specs = [specs] if isinstance(specs, str) or callable(specs) else list(specs)
+    trained = dict(zip(names, funcs))
+    kwargs = args.reward_kwargs or {}
+    out = []
+    for spec in specs:
+        if isinstance(spec, str) and spec in trained:
+            out.append(trained[spec])
+        else:
+            options = {spec: kwargs[spec]} if isinstance(spec, str) and spec in kwargs else None
+            out.extend(resolve_reward_funcs([spec], options))
+    out_names = [reward_name(f) for f in out]
+    if len(set(out_names)) != len(out_names):
+        raise ValueError(f"eval_reward_funcs names must be unique, got {out_names}.")
+    return out, out_names
+
+
+def source_indices(dataset, ratios: dict[str, float] | None) -> tuple[list[int] | None, list[float] | None]:
+    """Each row's source index and each source's ratio, from the ``source`` column and ``source_ratios``."""
+    if ratios is None:
+        return None, None
+    if SOURCE_COLUMN not in dataset.column_names:
+        raise ValueError(
+            f"source_ratios is set ({ratios}) but the train dataset has no {SOURCE_COLUMN!r} column; build it with "
+            "marble_trl.sources.load_prompt_sources (or add the column), or unset source_ratios."
+        )
+    names = list(ratios)
+    index = {name: k for k, name in enumerate(names)}
+    column = dataset[SOURCE_COLUMN]
+    unknown = sorted({str(v) for v in column} - set(index))
+    if unknown:
+        raise ValueError(
+            f"source_ratios gives no ratio for the source(s) {unknown} of the train dataset (ratios for: {names}); "
+            "add them to source_ratios (0 to leave a source out)."
+        )
+    absent = sorted(n for n in names if ratios[n] > 0 and n not in set(column))
+    if absent:
+        raise ValueError(
+            f"source_ratios names source(s) {absent} that have no row in the train dataset's {SOURCE_COLUMN!r} "
+            "column; fix the names or remove them."
+        )
+    return [index[str(v)] for v in column], [ratios[n] for n in names]
+
+
+def frozen_components(pipeline) -> list[Any]:
+    """The pipeline's frozen modules (VAE, text encoders) that exist."""
+    return [c for c in (getattr(pipeline, name, None) for name in FROZEN_COMPONENTS) if c is not None]
+
+
+def eval_datasets(eval_dataset: Any) -> list[tuple[str, Any]]:
+    """``(name, dataset)`` pairs of an ``eval_dataset`` (``None``, a dataset, or a dict of them)."""
+    if eval_dataset is None:
+        return []
+    if isinstance(eval_dataset, dict):
+        return [(f"eval_dataset[{key!r}]", ds) for key, ds in eval_dataset.items()]
+    return [("eval_dataset", eval_dataset)]
+
+
+def group_sampler(dataset, args) -> GroupSampler:
+    """Whole groups, whole steps: the trainer's sampler over ``dataset`` (with the sources' ratios, if any)."""
+    sources, ratios = source_indices(dataset, args.source_ratios)
+    return GroupSampler(
+        num_prompts=len(dataset),
+        num_generations=args.num_generations,
+        prompts_per_step=args.prompts_per_optimizer_step,
+        seed=args.seed,
+        sources=sources,
+        ratios=ratios,
+    )

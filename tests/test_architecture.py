@@ -1,0 +1,115 @@
+"""The package's layering (CONTRIBUTING.md, "The map"): no import circle, no lower module importing the trainer, no
+module over 500 lines. Read from the source with ast, so a function-local import counts like a top-level one."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "marble_trl"
+MAX_LINES = 500
+# The modules that use the trainer (a higher layer than it): the package's front door, the commands, the benchmark.
+TRAINER_USERS = {"marble_trl", "marble_trl.nft_trainer", "marble_trl.commands.train", "marble_trl.shapesbench.bench"}
+# Self-registration: the registry imports its built-in reward modules, which import the registry to register.
+ALLOWED_CYCLE_EDGES = {
+    ("marble_trl.rewards.registry", f"marble_trl.rewards.{m}") for m in ("jpeg", "shapes", "simple")
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its body (``from . import x`` -> the submodule)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                submodules = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in modules]
+                # `from . import a, b` of submodules imports those modules (the package is already being imported)
+                targets = submodules if len(submodules) == len(node.names) else [mod, *submodules]
+            for target in targets:
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if (v, w) in ALLOWED_CYCLE_EDGES:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    cycles = _cycles(import_graph())
+    assert not cycles, f"import circles (function-local imports included): {cycles}"
+
+
+def test_the_cycle_check_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_lower_module_imports_the_trainer():
+    graph = import_graph()
+    offenders = sorted(
+        name
+        for name, targets in graph.items()
+        if not name.startswith("marble_trl.trainer")
+        and name not in TRAINER_USERS
+        and any(t == "marble_trl.trainer" or t.startswith("marble_trl.trainer.") for t in targets)
+    )
+    assert not offenders, f"modules below the trainer that import it: {offenders}"
+
+
+def test_no_module_over_500_lines():
+    sizes = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in _modules().items()}
+    big = {name: n for name, n in sizes.items() if n > MAX_LINES}
+    assert not big, f"modules over {MAX_LINES} lines (split them by what they hold): {big}"
