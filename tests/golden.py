@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from tiny import brightness, contrast, redness
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
 from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
@@ -25,19 +26,6 @@ HERE = Path(__file__).parent
 RECORD = HERE / "data" / "golden_runs.json"
 TENSORS = HERE / "data" / "golden_runs.safetensors"
 PROMPTS = ["a red apple", "a blue car", "a green frog", "a white cat"]
-
-
-def brightness(prompts, images, **_):
-    return images.float().mean(dim=(1, 2, 3)).tolist()
-
-
-def contrast(prompts, images, **_):
-    return images.float().mean(dim=1).flatten(1).std(dim=1).tolist()
-
-
-def redness(prompts, images, **_):
-    images = images.float()
-    return (images[:, 0] - images[:, 1:].mean(dim=1)).mean(dim=(1, 2)).tolist()
 
 
 RUNS = {

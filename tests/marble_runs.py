@@ -12,27 +12,14 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from tiny import brightness, contrast, redness, small_args  # noqa: F401  (re-exported for the tests)
 
-from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
+from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
-from marble_trl.nft_config import DEFAULT_LORA_TARGETS
 
 PROMPTS = ["a red apple", "a blue car", "a green frog", "a white cat"]  # 2 prompts per step: 2 steps per epoch
 STEPS = 6
 SAMPLE_PROMPTS = ["a red apple on a table", "a boat on a calm lake"]
-
-
-def brightness(prompts, images, **_):
-    return images.float().mean(dim=(1, 2, 3)).tolist()
-
-
-def contrast(prompts, images, **_):
-    return images.float().mean(dim=1).flatten(1).std(dim=1).tolist()
-
-
-def redness(prompts, images, **_):
-    images = images.float()
-    return (images[:, 0] - images[:, 1:].mean(dim=1)).mean(dim=(1, 2)).tolist()
 
 
 REWARDS = [brightness, contrast, redness]
@@ -47,35 +34,6 @@ def recording(rewards, log: list):
 
     first.__name__ = rewards[0].__name__
     return [first, *rewards[1:]]
-
-
-def small_args(output_dir, **overrides) -> MarbleDiffusionNFTConfig:
-    """4 images per prompt, 2 prompts per step in 2 micro-batches, 16 px, 2 sampler steps: about a second a step."""
-    kwargs = dict(
-        output_dir=str(output_dir),
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1,
-        max_steps=STEPS,
-        learning_rate=2e-2,
-        per_device_train_batch_size=4,
-        num_generations=4,
-        prompts_per_step=2,
-        resolution=16,
-        num_sample_steps=2,
-        sample_scheduler="euler",
-        max_sequence_length=8,
-        lora_r=4,
-        lora_alpha=8,
-        lora_target_modules=[*DEFAULT_LORA_TARGETS, "proj_out"],
-        marble_refresh_interval=2,
-        param_ema=True,
-        use_cpu=True,
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return MarbleDiffusionNFTConfig(**kwargs)
 
 
 def make_trainer(output_dir, rewards=None, callbacks=None, **overrides) -> MarbleDiffusionNFTTrainer:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 from safetensors.torch import load_file
+from tiny import brightness
 from transformers import EarlyStoppingCallback
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
@@ -20,10 +21,6 @@ from marble_trl.lora import TRAIN_ADAPTER, lora_parameters
 
 TRAIN = Dataset.from_dict({"prompt": ["a red apple", "a blue car", "a green frog", "a white cat"]})
 EVAL = Dataset.from_dict({"prompt": ["a boat", "a tree"]})
-
-
-def brightness(prompts, images, **_):
-    return images.float().mean(dim=(1, 2, 3)).tolist()
 
 
 def scripted(name: str, values: list[float]):

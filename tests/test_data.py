@@ -352,16 +352,14 @@ def test_script_arguments_take_a_mixture(tmp_path):
 
 
 def tiny_args(output_dir, **overrides):
-    from marble_trl import MarbleDiffusionNFTConfig
+    """tests/tiny.py's fastest config, 4 prompts per step, the default LoRA targets."""
+    from tiny import tiny_args as fast_args
 
-    kwargs = dict(
-        output_dir=str(output_dir), report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
-        max_steps=2, learning_rate=1e-2, per_device_train_batch_size=4, num_generations=2, prompts_per_step=4,
-        resolution=16, num_sample_steps=2, sample_scheduler="euler", max_sequence_length=8, lora_r=2, lora_alpha=4,
-        use_cpu=True, beta=0.0, seed=0,
-    )  # fmt: skip
-    kwargs.update(overrides)
-    return MarbleDiffusionNFTConfig(**kwargs)
+    from marble_trl.models import DEFAULT_LORA_TARGETS
+
+    return fast_args(
+        output_dir, **{"max_steps": 2, "prompts_per_step": 4, "lora_target_modules": DEFAULT_LORA_TARGETS, **overrides}
+    )
 
 
 def test_trainer_mixture_columns_reach_rewards_groups_stay_in_one_source(tmp_path):

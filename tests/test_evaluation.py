@@ -12,6 +12,7 @@ import pytest
 import torch
 from datasets import Dataset
 from PIL import Image
+from tiny import brightness, redness
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
 from marble_trl.cli import main
@@ -22,15 +23,6 @@ from marble_trl.samples import GAP, LABEL_WIDTH, MIN_CELL, PAD, caption_font, li
 
 TRAIN = Dataset.from_dict({"prompt": ["a red apple", "a blue car", "a green frog", "a white cat"]})
 EVAL = Dataset.from_dict({"prompt": ["a boat on a lake", "a tree", "a red apple"], "source": ["a", "b", "b"]})
-
-
-def brightness(prompts, images, **_):
-    return images.float().mean(dim=(1, 2, 3)).tolist()
-
-
-def redness(prompts, images, **_):
-    images = images.float()
-    return (images[:, 0] - images[:, 1:].mean(dim=1)).mean(dim=(1, 2)).tolist()
 
 
 def only_b(prompts, images, source, **_):  # a held-out reward that applies to one source only

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from tiny import brightness, tiny_args
 from transformers import HfArgumentParser
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
 from marble_trl.data import check_prompt_dataset
-from marble_trl.nft_config import DEFAULT_LORA_TARGETS
 from marble_trl.rewards import RewardError, score_rewards
 from marble_trl.sources import PromptSource, load_prompt_sources, load_source
 
@@ -44,21 +44,6 @@ def returning(value: object, name: str = "scorer"):
 
     fn.__name__ = name
     return fn
-
-
-def tiny_args(output_dir, **overrides) -> MarbleDiffusionNFTConfig:
-    kwargs = dict(
-        output_dir=str(output_dir), report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
-        max_steps=1, learning_rate=1e-2, per_device_train_batch_size=4, num_generations=2, prompts_per_step=2,
-        resolution=16, num_sample_steps=2, sample_scheduler="euler", max_sequence_length=8, lora_r=2, lora_alpha=4,
-        lora_target_modules=[*DEFAULT_LORA_TARGETS, "proj_out"], use_cpu=True, beta=0.0, seed=0,
-    )  # fmt: skip
-    kwargs.update(overrides)
-    return MarbleDiffusionNFTConfig(**kwargs)
-
-
-def brightness(prompts, images, **_):
-    return images.float().mean(dim=(1, 2, 3)).tolist()
 
 
 # ---------------------------------------------------------------- rewards: the shape of the return value

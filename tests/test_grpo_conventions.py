@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 from datasets import Dataset
-from test_trainer import tiny_args as trainer_tiny_args
+from tiny import brightness
+from tiny import trainer_args as trainer_tiny_args
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
 from marble_trl.rewards import (
@@ -40,10 +41,6 @@ def tiny_args(tmp_path, **overrides) -> MarbleDiffusionNFTConfig:
 
 def dataset() -> Dataset:
     return Dataset.from_dict({"prompt": ["a red square", "a blue circle"], "level": [1, 2]})
-
-
-def brightness(prompts, images, **_):
-    return images.float().mean(dim=(1, 2, 3)).tolist()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

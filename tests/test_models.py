@@ -167,3 +167,25 @@ def test_folder_without_model_index_raises(tmp_path):
     (folder / "weights.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="model_index.json"):
         load_sd3_pipeline(folder)
+
+
+def test_family_adapter_of_an_sd3_pipeline(tiny_pipeline):
+    """The trainer's seam: adapter_for finds the SD3 adapter, which satisfies the protocol and computes what the SD3
+    functions compute; an unsupported pipeline is an error that names the supported ones."""
+    from marble_trl.models import FlowModelAdapter, SD3Adapter, adapter_for, encode_prompts, predict_velocity
+
+    adapter = adapter_for(tiny_pipeline)
+    assert isinstance(adapter, SD3Adapter) and isinstance(adapter, FlowModelAdapter)
+    assert adapter.family == "sd3" and adapter.transformer is tiny_pipeline.transformer
+    assert adapter.latent_factor == tiny_pipeline.vae_scale_factor * tiny_pipeline.transformer.config.patch_size
+    cond = adapter.encode(["a red apple", "a red apple", "a cat"], 8, torch.device("cpu"))
+    ref = encode_prompts(tiny_pipeline, ["a red apple", "a red apple", "a cat"], 8, torch.device("cpu"))
+    assert torch.equal(cond.prompt_embeds, ref.prompt_embeds) and torch.equal(cond.index([2]).pooled, ref.pooled[2:])
+    x = torch.randn(3, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.9, 0.5, 0.1])
+    with torch.no_grad():
+        got = adapter.predict(tiny_pipeline.transformer, x, sigma, cond)
+        want = predict_velocity(tiny_pipeline.transformer, x, sigma, ref.prompt_embeds, ref.pooled)
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="not a supported pipeline.*StableDiffusion3Pipeline"):
+        adapter_for(object())

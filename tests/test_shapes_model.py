@@ -68,7 +68,9 @@ def test_shipped_tensors_match_the_manifest():
 
 
 def test_missing_shapes_model_names_the_fix(monkeypatch, tmp_path):
-    monkeypatch.setattr(shipped, "WEIGHTS", tmp_path)
+    import marble_trl.models.tiny as offline_models
+
+    monkeypatch.setattr(offline_models, "SHIPPED_WEIGHTS", tmp_path)
     with pytest.raises(FileNotFoundError, match="shapes.*marble_trl.shapesbench ship"):
         load_sd3_pipeline("shapes")
 

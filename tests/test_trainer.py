@@ -8,48 +8,14 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from tiny import brightness, contrast, trainer_args
 
-from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
+from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.data import load_prompt_dataset
 from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER
-from marble_trl.nft_config import DEFAULT_LORA_TARGETS
 from marble_trl.rewards import RewardError
 
-TINY_TARGETS = [*DEFAULT_LORA_TARGETS, "proj_out"]  # proj_out lets the tiny model move colours quickly
-
-
-def tiny_args(tmp_path, **overrides) -> MarbleDiffusionNFTConfig:
-    kwargs = dict(
-        output_dir=str(tmp_path),
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1,
-        max_steps=2,
-        learning_rate=1e-2,
-        per_device_train_batch_size=8,
-        num_generations=8,
-        prompts_per_step=2,
-        resolution=32,
-        num_sample_steps=4,
-        sample_scheduler="euler",
-        max_sequence_length=8,
-        lora_r=4,
-        lora_alpha=8,
-        lora_target_modules=TINY_TARGETS,
-        use_cpu=True,
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return MarbleDiffusionNFTConfig(**kwargs)
-
-
-def brightness(prompts, images, **_):
-    return images.float().mean(dim=(1, 2, 3)).tolist()
-
-
-def contrast(prompts, images, **_):
-    return images.float().mean(dim=1).flatten(1).std(dim=1).tolist()
+tiny_args = trainer_args  # this file's config: tests/tiny.py
 
 
 def history(trainer, key):
