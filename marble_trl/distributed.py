@@ -40,20 +40,16 @@ def is_deepspeed(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 
-def configure_deepspeed(trainer) -> None:
-    """Adapt the DeepSpeed config and the MARBLE options to the per-timestep backward loop (called in ``__init__``,
-    before ``train()`` builds the engine)."""
+def configure_deepspeed(config: dict, args, num_sigmas: int, aggregation: str) -> None:
+    """Adapt the DeepSpeed ``config`` (the plugin's ``deepspeed_config``) and the MARBLE options in ``args`` to the
+    per-timestep backward loop (called in the trainer's ``__init__``, before ``train()`` builds the engine). The
+    refresh-update switch is written into ``args`` so that the run records (and resumes with) what it did."""
     # Creating the Trainer's DeepSpeed config re-registered transformers' global ZeRO-3 flag: off again.
     disable_zero3_init()
-    args = trainer.args
-    plugin = trainer.accelerator.state.deepspeed_plugin
-    config = plugin.deepspeed_config
-    timesteps = num_train_timesteps(len(trainer.train_sigmas), args.timestep_fraction)
-    trainer._deepspeed_backwards_per_micro_batch = timesteps
-    backwards = args.gradient_accumulation_steps * timesteps
+    backwards = args.gradient_accumulation_steps * num_train_timesteps(num_sigmas, args.timestep_fraction)
     config["gradient_accumulation_steps"] = backwards
     config["train_batch_size"] = args.per_device_train_batch_size * backwards * args.world_size
-    if trainer.aggregation == "marble" and args.marble_refresh_update == "gradient":
+    if aggregation == "marble" and args.marble_refresh_update == "gradient":
         logger.warning(
             "DeepSpeed owns the gradients: MARBLE refresh steps use marble_refresh_update='advantage' (one backward "
             "with A_bar; the QP still refreshes the coefficients) instead of writing Eq. 7 into .grad."

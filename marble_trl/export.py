@@ -37,10 +37,11 @@ from .checkpoint import read_manifest
 from .hub import (
     card_info_from_checkpoint,
     read_export_config,
-    save_samples,
     write_export_config,
     write_model_card,
 )
+from .models.sd3 import save_sd3_lora
+from .samples import save_samples
 
 FORMATS = ("diffusers", "peft")
 
@@ -64,13 +65,7 @@ def read_lora_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], di
 
 
 def write_diffusers_lora(folder: Path, tensors: dict[str, torch.Tensor], lora_config: dict[str, Any]) -> Path:
-    from diffusers import StableDiffusion3Pipeline
-
-    StableDiffusion3Pipeline.save_lora_weights(
-        str(folder),
-        transformer_lora_layers={k[len(LORA_KEY_PREFIX) :]: v for k, v in tensors.items()},
-        transformer_lora_adapter_metadata=lora_config,
-    )
+    save_sd3_lora(folder, tensors, lora_config)  # the exported LoRA is an SD3 one (the only family exported today)
     return folder / LORA_FILE
 
 

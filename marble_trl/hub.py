@@ -442,20 +442,6 @@ def write_export_config(folder: str | os.PathLike, info: CardInfo, source: str |
     return path
 
 
-def save_samples(images, prompts: list[str], folder: str | os.PathLike) -> list[tuple[str, str]]:
-    """Save ``[N, 3, H, W]`` images in ``[0, 1]`` as ``samples/000.png`` ... under ``folder``; returns
-    ``(relative path, prompt)`` pairs for the card."""
-    from .rewards.images import to_pil
-
-    out = Path(folder) / SAMPLES_DIR
-    out.mkdir(parents=True, exist_ok=True)
-    pairs = []
-    for i, (image, prompt) in enumerate(zip(to_pil(images), prompts)):
-        image.save(out / f"{i:03d}.png")
-        pairs.append((f"{SAMPLES_DIR}/{i:03d}.png", prompt))
-    return pairs
-
-
 # ------------------------------------------------------------------------------------------------- the Hub
 def hub_api(endpoint: str | None = None, token: str | None = None):
     """An ``HfApi`` for ``endpoint`` (default: ``HF_ENDPOINT``, else huggingface.co)."""

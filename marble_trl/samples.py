@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
+from .artifacts import SAMPLES_DIR
 from .rewards.images import to_pil
 
 logger = logging.getLogger(__name__)
@@ -373,3 +375,15 @@ def comparison_sheet(
     return captioned_grid(
         tiles, len(models), scores=flat, headers=list(models), row_labels=list(row_labels), max_cell=max_cell
     )
+
+
+def save_samples(images, prompts: list[str], folder: str | os.PathLike) -> list[tuple[str, str]]:
+    """Save ``[N, 3, H, W]`` images in ``[0, 1]`` as ``samples/000.png`` ... under ``folder``; returns
+    ``(relative path, prompt)`` pairs for the card."""
+    out = Path(folder) / SAMPLES_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    pairs = []
+    for i, (image, prompt) in enumerate(zip(to_pil(images), prompts)):
+        image.save(out / f"{i:03d}.png")
+        pairs.append((f"{SAMPLES_DIR}/{i:03d}.png", prompt))
+    return pairs

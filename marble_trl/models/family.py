@@ -60,8 +60,11 @@ class FlowModelAdapter(Protocol):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images ``[B, 3, H, W]`` in ``[0, 1]`` (float32), the reward input format."""
 
-    def save_lora(self, folder: str | os.PathLike, layers: dict[str, torch.Tensor], metadata: dict | None) -> None:
-        """Write the LoRA in the family's diffusers format (loadable with the pipeline's ``load_lora_weights``)."""
+    def save_lora(
+        self, folder: str | os.PathLike, layers: dict[str, torch.Tensor], metadata: dict | None, weight_name=None
+    ) -> None:
+        """Write the LoRA in the family's diffusers format (loadable with the pipeline's ``load_lora_weights``), in
+        ``folder/weight_name`` (default: the family's standard file name)."""
 
 
 FAMILIES: tuple[type, ...] = (SD3Adapter,)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..artifacts import LORA_KEY_PREFIX
 from ..distributed import zero3_init_disabled
 from .tiny import SHAPES_MODEL_NAME, TINY_MODEL_NAME, build_tiny_sd3_pipeline, shapes_model_path
 
@@ -179,6 +180,21 @@ def _absent_components(folder: Path) -> dict[str, None]:
     }
 
 
+def save_sd3_lora(folder, layers: dict[str, torch.Tensor], metadata: dict | None, weight_name: str | None = None):
+    """The one writer of SD3 LoRA files: ``layers`` under diffusers' keys (with or without the ``transformer.``
+    prefix) and the LoRA config as metadata, in ``folder/weight_name`` (default ``pytorch_lora_weights.safetensors``),
+    loadable with ``StableDiffusion3Pipeline.load_lora_weights``."""
+    from diffusers import StableDiffusion3Pipeline
+
+    unprefixed = {k.removeprefix(LORA_KEY_PREFIX): v for k, v in layers.items()}
+    StableDiffusion3Pipeline.save_lora_weights(
+        str(folder),
+        transformer_lora_layers=unprefixed,
+        transformer_lora_adapter_metadata=metadata,
+        **({"weight_name": weight_name} if weight_name else {}),
+    )
+
+
 class SD3Adapter:
     """The SD3 / SD3.5 family behind :class:`~marble_trl.models.family.FlowModelAdapter`."""
 
@@ -224,8 +240,7 @@ class SD3Adapter:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return decode_latents(self.pipeline, latents)
 
-    def save_lora(self, folder: str | os.PathLike, layers: dict[str, torch.Tensor], metadata: dict | None) -> None:
-        """The LoRA in diffusers' format (``StableDiffusion3Pipeline.load_lora_weights`` reads it)."""
-        type(self.pipeline).save_lora_weights(
-            folder, transformer_lora_layers=layers, transformer_lora_adapter_metadata=metadata
-        )
+    def save_lora(
+        self, folder: str | os.PathLike, layers: dict[str, torch.Tensor], metadata: dict | None, weight_name=None
+    ) -> None:
+        save_sd3_lora(folder, layers, metadata, weight_name)

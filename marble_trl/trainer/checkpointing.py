@@ -26,7 +26,6 @@ from ..artifacts import (
     BALANCER_FILE,
     EMA_FILE,
     LORA_FILE,
-    LORA_KEY_PREFIX,
     MANIFEST_FILE,
     MANIFEST_FORMAT,
     MANIFEST_VERSION,
@@ -58,13 +57,7 @@ logger = logging.getLogger(__name__)
 
 def save_lora_file(trainer: Trainer, folder: str | os.PathLike, layers: dict, weight_name: str):
     """Write ``layers`` (diffusers keys, with the ``transformer.`` prefix) like the trainer's own LoRA file."""
-    unprefixed = {k[len(LORA_KEY_PREFIX) :]: v for k, v in layers.items()}
-    type(trainer.pipeline).save_lora_weights(
-        str(folder),
-        transformer_lora_layers=unprefixed,
-        transformer_lora_adapter_metadata=trainer.peft_config.to_dict(),
-        weight_name=weight_name,
-    )
+    trainer.model_adapter.save_lora(folder, layers, trainer.peft_config.to_dict(), weight_name)
 
 
 def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:

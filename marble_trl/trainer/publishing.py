@@ -17,11 +17,11 @@ from ..hub import (
     hub_api,
     override_card,
     recorded_prompts,
-    save_samples,
     write_export_config,
     write_model_card,
 )
 from ..models import tiny_seed_of
+from ..samples import save_samples
 
 
 # ------------------------------------------------------------------------------------------------- building CardInfo

@@ -210,7 +210,8 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
         self.train_sigmas = training_sigmas(self.pipeline.scheduler, args.num_sample_steps)
         self.eval_scheduler = make_scheduler(args.eval_sample_scheduler, self.pipeline.scheduler)
         if self.is_deepspeed_enabled:
-            configure_deepspeed(self)
+            plugin_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+            configure_deepspeed(plugin_config, args, len(self.train_sigmas), self.aggregation)
         self._backward = (
             DeepSpeedBackward(self.accelerator) if self.is_deepspeed_enabled else PlainBackward(self.accelerator)
         )
