@@ -128,3 +128,17 @@ def test_shipped_judges_match_their_configs(name):
     assert path.parent == shipped.WEIGHTS, (
         f"judge {name!r} is not shipped: run `python -m marble_trl.shapesbench ship`"
     )
+
+
+def test_cost_table_takes_times_and_ratios_from_the_same_runs():
+    """Table 2: a method run with seeds 0 and 1 against a reference run with seed 0 only reports seed 0's step time,
+    so its time and its ratio to the reference describe the same runs."""
+    from marble_trl.shapesbench.report import table2
+
+    def run(method, seed, seconds):
+        return {"method": method, "seed": seed, "step_times": [9.0, seconds, seconds], "peak_rss_gib": 1.0}
+
+    runs = [run("weighted_sum_plain", 0, 2.0), run("marble", 0, 4.0), run("marble", 1, 1.0)]
+    _, raw = table2(runs)
+    marble = next(r for r in raw if r["method"] == "marble")
+    assert marble["step_ms"] == 4000.0 and marble["relative_speed"] == 0.5
