@@ -31,8 +31,7 @@ from ..balance import (
     unflatten,
     update_cosines,
 )
-from ..distributed import backward as deepspeed_backward
-from ..distributed import gathered
+from ..distributed import backward, gathered
 from ..lora import use_old_policy, use_reference
 from ..nft import NFTTerms, add_noise, advantage_to_r, nft_loss, nft_loss_terms
 from .step import MicroBatch
@@ -55,7 +54,6 @@ class LossSettings:
 class MicroBatchResult:
     total: torch.Tensor  # sum over timesteps of the (unscaled) loss, detached
     sums: dict[str, torch.Tensor]  # per-timestep metric sums, detached
-    num_timesteps: int
 
 
 class PlainBackward:
@@ -67,14 +65,21 @@ class PlainBackward:
     def per_reward_r(self, r_k: torch.Tensor, r: torch.Tensor, mode: str) -> torch.Tensor:
         return r_k
 
-    def timestep(self, model, transformer, forward, engine: GradientEngine | None, plan_mode: str, settings,
-                 r_k, scale: float, last: bool) -> tuple[torch.Tensor, NFTTerms, torch.Tensor]:  # fmt: skip
+    def timestep(
+        self,
+        model,
+        transformer: torch.nn.Module,
+        forward: Callable,
+        engine: GradientEngine | None,
+        plan_mode: str,
+        settings: LossSettings,
+        r_k: torch.Tensor | None,
+        scale: float,
+        last: bool,
+    ) -> tuple[torch.Tensor, NFTTerms, torch.Tensor]:
+        """One timestep's forward(s) and backward; returns ``(v_theta, terms, loss)`` of the update's forward."""
         if engine is None:
-            context = contextlib.nullcontext() if last else self.accelerator.no_sync(model)
-            with context:
-                v_theta, terms, loss = forward(model)
-                self.accelerator.backward(loss * scale)
-            return v_theta, terms, loss
+            return self._ordinary(model, forward, scale, last)
         # Forward through the unwrapped module: the engine back-propagates itself (DDP is bypassed).
         with engine.capture(transformer):
             v_theta, terms, loss = forward(transformer)
@@ -82,8 +87,17 @@ class PlainBackward:
                 extra = settings.beta * terms.kl.mean() * scale if settings.beta > 0 else None  # Eq. 8: KL apart
             else:
                 extra = loss * scale
-            engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=_engine_scale(settings, scale, terms.loss_pos.shape[0]),
-                              extra_loss=extra)  # fmt: skip
+            weight = _engine_scale(settings, scale, terms.loss_pos.shape[0])
+            engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=weight, extra_loss=extra)
+        return v_theta, terms, loss
+
+    def _ordinary(self, model, forward: Callable, scale: float, last: bool):
+        """The update's forward through ``model`` (the DDP / DeepSpeed wrapper) and its backward; gradients are
+        synchronised on a micro-batch's last timestep only."""
+        context = contextlib.nullcontext() if last else self.accelerator.no_sync(model)
+        with context:
+            v_theta, terms, loss = forward(model)
+            backward(self.accelerator, loss * scale, last_of_micro_batch=last)
         return v_theta, terms, loss
 
     def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
@@ -121,14 +135,10 @@ class DeepSpeedBackward(PlainBackward):
         if engine is not None:
             with engine.capture(transformer):
                 _, terms_k, _ = forward(transformer)
-                engine.accumulate(terms_k.loss_pos, terms_k.loss_neg, r_k,
-                                  scale=_engine_scale(settings, scale, terms_k.loss_pos.shape[0]))  # fmt: skip
+                weight = _engine_scale(settings, scale, terms_k.loss_pos.shape[0])
+                engine.accumulate(terms_k.loss_pos, terms_k.loss_neg, r_k, scale=weight)
             del terms_k
-        context = contextlib.nullcontext() if last else self.accelerator.no_sync(model)
-        with context:
-            v_theta, terms, loss = forward(model)
-            deepspeed_backward(self.accelerator, loss * scale, last_of_micro_batch=last)
-        return v_theta, terms, loss
+        return self._ordinary(model, forward, scale, last)
 
     def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
         # DeepSpeed has reduced (and applied) the update's gradient itself: only the buffers.
@@ -201,7 +211,7 @@ def micro_batch_loss(
         sums["nft/loss_neg"] += terms.loss_neg.detach().mean()
         sums["kl"] += terms.kl.detach().mean()
         sums["nft/policy_deviation"] += ((v_theta.detach() - v_old) ** 2).mean()
-    return MicroBatchResult(total, dict(sums), num_train)
+    return MicroBatchResult(total, dict(sums))
 
 
 def per_reward_engine(engine: GradientEngine | None, batch: MicroBatch, kind: str, params: dict, num_rewards: int,
