@@ -214,12 +214,20 @@ def micro_batch_loss(
     return MicroBatchResult(total, dict(sums))
 
 
-def per_reward_engine(engine: GradientEngine | None, batch: MicroBatch, kind: str, params: dict, num_rewards: int,
-                      deepspeed: bool, module: torch.nn.Module) -> GradientEngine:  # fmt: skip
-    """The step's per-reward gradient engine: ``engine``, or a new one of ``kind`` (``marble_gradient_engine``) on
-    first use; its buffers are zeroed at the step's first micro-batch."""
+def per_reward_engine(
+    engine: GradientEngine | None,
+    batch: MicroBatch,
+    kind: str,
+    trainable: Callable[[], dict[str, torch.nn.Parameter]],
+    num_rewards: int,
+    deepspeed: bool,
+    module: torch.nn.Module,
+) -> GradientEngine:
+    """The step's per-reward gradient engine: ``engine``, or a new one of ``kind`` (``marble_gradient_engine``) over
+    the parameters ``trainable()`` returns, built on first use only; its buffers are zeroed at the step's first
+    micro-batch."""
     if engine is None:
-        params = list(params.values())
+        params = list(trainable().values())
         # Under DeepSpeed the update's gradient is not in .grad: the cosine diagnostics get it as one more row.
         extra_row = int(deepspeed and batch.plan.mode == "cosines")
         with gathered(params):  # ZeRO-3: the engine sizes its buffers from the full (gathered) parameters

@@ -424,7 +424,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
         """The per-reward gradient engine on refresh / cosine steps (built on first use), else ``None``."""
         if batch.plan.needs_engine:
             self._gradient_engine = per_reward_engine(
-                self._gradient_engine, batch, self.args.marble_gradient_engine, self.trainable_parameters(),
+                self._gradient_engine, batch, self.args.marble_gradient_engine, self.trainable_parameters,
                 len(self.reward_funcs), self.is_deepspeed_enabled, self.transformer,
             )  # fmt: skip
             return self._gradient_engine
