@@ -41,7 +41,10 @@ def check_fields(self) -> None:
         "max_steps must not be 0: transformers would still train one optimizer step (it checks the limit only "
         "after a step). Set max_steps >= 1, or -1 (the default) to train num_train_epochs epochs.",
     )
-    need(len(self.lora_target_modules) > 0, "lora_target_modules is empty: name at least one module to adapt.")
+    need(
+        self.lora_target_modules is None or len(self.lora_target_modules) > 0,
+        "lora_target_modules is empty: name at least one module to adapt, or leave it unset for the family's default.",
+    )
     need(self.num_sample_steps >= 1, f"num_sample_steps must be >= 1, got {self.num_sample_steps}.")
     need(self.guidance_scale >= 1.0, f"guidance_scale must be >= 1.0 (1.0 = CFG-free), got {self.guidance_scale}.")
     need(self.resolution >= 8, f"resolution must be a positive number of pixels >= 8, got {self.resolution}.")

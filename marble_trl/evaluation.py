@@ -63,17 +63,19 @@ def generate_eval_images(
     max_sequence_length: int = 256,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Images ``[B, 3, H, W]`` in ``[0, 1]`` for ``prompts``, image ``j`` from noise seeded with ``seeds[j]``."""
-    from .models import decode_latents, encode_prompts, sample_latents
+    """Images ``[B, 3, H, W]`` (videos ``[B, F, 3, H, W]``) in ``[0, 1]`` for ``prompts``, image ``j`` from noise
+    seeded with ``seeds[j]``; ``pipeline`` is a diffusers pipeline of a supported family or its adapter."""
+    from .models import adapter_for
 
-    device = torch.device(device) if device is not None else pipeline.transformer.device
-    embeds = encode_prompts(pipeline, prompts, max_sequence_length, device)
+    adapter = pipeline if hasattr(pipeline, "predict") else adapter_for(pipeline)
+    device = torch.device(device) if device is not None else adapter.transformer.device
+    embeds = adapter.encode(prompts, max_sequence_length, device, guidance_scale)
     negative = None
-    if guidance_scale > 1.0:
-        negative = encode_prompts(pipeline, [negative_prompt] * len(prompts), max_sequence_length, device)
+    if adapter.needs_negative(guidance_scale):
+        negative = adapter.encode([negative_prompt] * len(prompts), max_sequence_length, device)
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    latents = sample_latents(pipeline, scheduler, embeds, num_steps, resolution, generators, guidance_scale, negative)
-    return decode_latents(pipeline, latents)
+    latents = adapter.sample(scheduler, embeds, num_steps, resolution, generators, guidance_scale, negative)
+    return adapter.decode(latents)
 
 
 def summarize_scores(
@@ -252,7 +254,7 @@ def evaluate_models(
 
     from .data import check_prompt_dataset
     from .export import read_sampling_settings
-    from .models import load_sd3_pipeline
+    from .models import TINY_MODEL_NAMES, load_model
     from .rewards import resolve_reward_funcs, reward_name, score_rewards
     from .rewards.images import to_pil
     from .rollout import make_scheduler
@@ -284,7 +286,7 @@ def evaluate_models(
         folder = output / _safe_dirname(spec.name)
         record = {
             "model": model,
-            "tiny_seed": tiny_seed if model == "tiny" else None,
+            "tiny_seed": tiny_seed if model in TINY_MODEL_NAMES else None,
             "lora": str(Path(spec.lora).resolve()) if spec.lora else None,
             "weight_name": spec.weight_name,
             "prompts": prompts,
@@ -308,9 +310,9 @@ def evaluate_models(
         todo = sorted(set(todo) | set(todo_grid))
         if todo:
             if pipe is None:
-                pipe = load_sd3_pipeline(
+                pipe = load_model(
                     model, torch_dtype=None if torch_dtype == torch.float32 else torch_dtype, tiny_seed=tiny_seed
-                )
+                ).pipeline
                 pipe.set_progress_bar_config(disable=True)
                 pipe.to(device)
                 scheduler = make_scheduler(settings.scheduler, pipe.scheduler)

@@ -65,7 +65,9 @@ def read_lora_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], di
 
 
 def write_diffusers_lora(folder: Path, tensors: dict[str, torch.Tensor], lora_config: dict[str, Any]) -> Path:
-    save_sd3_lora(folder, tensors, lora_config)  # the exported LoRA is an SD3 one (the only family exported today)
+    # Every family's transformer LoRA file has this one format (``transformer.``-prefixed diffusers keys and the
+    # adapter metadata), which each family pipeline's load_lora_weights reads (tested for every family).
+    save_sd3_lora(folder, tensors, lora_config)
     return folder / LORA_FILE
 
 
@@ -108,7 +110,7 @@ def generate_images(
     ``lora`` (``load_lora_weights``). Unset settings come from the LoRA folder's ``marble_trl.json`` (the training
     sampler), else the pipeline's defaults; one generator seeded with ``seed`` for the whole batch. ``tiny_seed``
     (model ``"tiny"``) defaults to the seed the LoRA folder records, else 0."""
-    from .models import load_sd3_pipeline
+    from .models import load_model
     from .rollout import make_scheduler
 
     settings = read_sampling_settings(lora)
@@ -123,9 +125,9 @@ def generate_images(
     if torch_dtype is None:
         torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     # float32 is every pipeline's own dtype: no cast (diffusers warns on casts)
-    pipe = load_sd3_pipeline(
+    pipe = load_model(
         model, torch_dtype=None if torch_dtype == torch.float32 else torch_dtype, tiny_seed=tiny_seed
-    )
+    ).pipeline
     if lora is not None:
         folder = Path(lora)
         if weight_name is None and not (folder / LORA_FILE).is_file() and (folder / PEFT_WEIGHTS_FILE).is_file():

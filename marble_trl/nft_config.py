@@ -9,7 +9,6 @@ import torch
 
 from ._trl import BaseConfig
 from .config_checks import check_batching, check_fields
-from .models.sd3 import DEFAULT_LORA_TARGETS
 
 
 @dataclass
@@ -85,9 +84,13 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         default="gaussian",
         metadata={"help": "peft `init_lora_weights`: 'gaussian' (reference), 'true' (Kaiming A, zero B), ..."},
     )
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
-        metadata={"help": "Transformer modules that get LoRA (reference: the joint-attention projections)."},
+    lora_target_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Transformer modules that get LoRA (module-name suffixes). Default: the model family's "
+            "(SD3: the joint-attention projections, the reference's; FLUX, Wan, Qwen-Image, SANA: those of their "
+            "diffusers LoRA scripts, docs/models.md)."
+        },
     )
 
     # --- groups and batching ---

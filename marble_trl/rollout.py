@@ -17,11 +17,20 @@ import torch
 SAMPLER_ALIASES = ("euler", "heun", "dpm2", "dpm2_diffusers")
 
 
+def flow_config(config) -> dict:
+    """A scheduler config as ``FlowMatchEulerDiscreteScheduler`` reads it: a flow-sigma scheduler's ``flow_shift``
+    (Wan's ``UniPCMultistepScheduler``) becomes ``shift``."""
+    config = dict(config)
+    if config.get("use_flow_sigmas") and "flow_shift" in config and "shift" not in config:
+        config["shift"] = config["flow_shift"]
+    return config
+
+
 def make_scheduler(name: str, base_scheduler):
     """Build the rollout scheduler ``name`` from the pipeline's scheduler config (keeps its ``shift``)."""
     import diffusers
 
-    config = base_scheduler.config
+    config = flow_config(base_scheduler.config)
     if name == "pipeline":
         return copy.deepcopy(base_scheduler)
     if name == "euler":
@@ -49,14 +58,15 @@ def make_scheduler(name: str, base_scheduler):
     return cls.from_config(config)
 
 
-def training_sigmas(base_scheduler, num_steps: int) -> torch.Tensor:
+def training_sigmas(base_scheduler, num_steps: int, **set_timesteps_kwargs) -> torch.Tensor:
     """The sampler's sigma grid that DiffusionNFT trains on: ``num_steps`` flow times of the Euler grid with the
-    pipeline's shift (the final ``sigma = 0`` excluded)."""
+    pipeline's shift (the final ``sigma = 0`` excluded). ``set_timesteps_kwargs`` are what the family's pipeline
+    passes to ``set_timesteps`` (``FlowModelAdapter.timestep_kwargs``: FLUX's sigma list and dynamic shift)."""
     import diffusers
 
-    sched = diffusers.FlowMatchEulerDiscreteScheduler.from_config(base_scheduler.config)
-    kwargs = {}
-    if sched.config.get("use_dynamic_shifting", False):
-        kwargs["mu"] = 0.0  # [choice] neutral shift: SD3/3.5 configs do not use dynamic shifting
+    sched = diffusers.FlowMatchEulerDiscreteScheduler.from_config(flow_config(base_scheduler.config))
+    kwargs = dict(set_timesteps_kwargs)
+    if sched.config.get("use_dynamic_shifting", False) and "mu" not in kwargs:
+        kwargs["mu"] = 0.0  # [choice] neutral shift when the family gives none (SD3/3.5 do not shift dynamically)
     sched.set_timesteps(num_steps, **kwargs)
     return sched.sigmas[:num_steps].float().clone()

@@ -20,7 +20,7 @@ from tiny import brightness, contrast, redness
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
 from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
-from marble_trl.nft_config import DEFAULT_LORA_TARGETS
+from marble_trl.models import DEFAULT_LORA_TARGETS
 
 HERE = Path(__file__).parent
 RECORD = HERE / "data" / "golden_runs.json"

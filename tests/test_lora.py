@@ -19,7 +19,7 @@ from marble_trl.lora import (
     use_old_policy,
     use_reference,
 )
-from marble_trl.nft_config import DEFAULT_LORA_TARGETS
+from marble_trl.models import DEFAULT_LORA_TARGETS
 
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")
 

@@ -144,7 +144,7 @@ def _resolve_dtype(name: str, training_args: MarbleDiffusionNFTConfig):
 
 def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTConfig) -> dict:
     """Run one training job; writes the LoRA, ``metrics.jsonl`` and ``samples_before_after.png`` to ``output_dir``."""
-    from ..models import load_sd3_pipeline
+    from ..models import load_model
     from ..samples import save_before_after, score_images
     from ..trainer import MarbleDiffusionNFTTrainer
 
@@ -153,7 +153,7 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
     start = time.perf_counter()
     dataset, eval_dataset = load_script_datasets(script_args, training_args)
     dtype = _resolve_dtype(script_args.torch_dtype, training_args)
-    pipeline = load_sd3_pipeline(script_args.model_name_or_path, torch_dtype=dtype, tiny_seed=script_args.tiny_seed)
+    pipeline = load_model(script_args.model_name_or_path, torch_dtype=dtype, tiny_seed=script_args.tiny_seed).pipeline
     trainer = MarbleDiffusionNFTTrainer(
         pipeline, script_args.reward_funcs, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset
     )

@@ -1,7 +1,9 @@
-"""Model families (:mod:`.family`: the protocol the trainer talks to), SD3 / SD3.5 (:mod:`.sd3`) and the offline
-models (:mod:`.tiny`: ``tiny``, ``shapes``)."""
+"""Model families (:mod:`.family`: the protocol the trainer talks to; :mod:`.base`: what the diffusers adapters
+share), SD3 / SD3.5 (:mod:`.sd3`), FLUX.1 (:mod:`.flux`) and the offline models (:mod:`.tiny`: ``tiny``, ``shapes``;
+each family module builds its own ``tiny-<family>``)."""
 
-from .family import FAMILIES, Conditioning, FlowModelAdapter, adapter_for, load_model
+from .family import FAMILIES, Conditioning, FlowModelAdapter, adapter_for, family_of, load_model
+from .flux import FluxAdapter, build_tiny_flux_pipeline
 from .sd3 import (
     DEFAULT_LORA_TARGETS,
     PromptEmbeddings,
@@ -15,6 +17,7 @@ from .sd3 import (
 from .tiny import (
     SHAPES_MODEL_NAME,
     TINY_MODEL_NAME,
+    TINY_MODEL_NAMES,
     build_tiny_sd3_pipeline,
     save_tiny_sd3_pipeline,
     shapes_model_path,
@@ -26,6 +29,10 @@ __all__ = [
     "FAMILIES",
     "SHAPES_MODEL_NAME",
     "TINY_MODEL_NAME",
+    "TINY_MODEL_NAMES",
+    "FluxAdapter",
+    "build_tiny_flux_pipeline",
+    "family_of",
     "Conditioning",
     "FlowModelAdapter",
     "PromptEmbeddings",

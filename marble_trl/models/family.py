@@ -15,7 +15,10 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from .flux import FluxAdapter
+from .loading import pipeline_class_name
 from .sd3 import SD3Adapter
+from .tiny import SHAPES_MODEL_NAME
 
 
 @runtime_checkable
@@ -28,7 +31,11 @@ class FlowModelAdapter(Protocol):
     """One flow-matching text-to-image (or video) family, bound to a loaded pipeline."""
 
     family: ClassVar[str]  # the family's name, e.g. "sd3"
-    default_lora_targets: ClassVar[tuple[str, ...]]  # module-name suffixes of the paper-style LoRA
+    pipeline_class_name: ClassVar[str]  # the diffusers pipeline class it wraps (model_index.json's _class_name)
+    tiny_name: ClassVar[str | None]  # its offline random model, e.g. "tiny-flux"
+    default_lora_targets: ClassVar[tuple[str, ...]]  # module-name suffixes of the community's LoRA for the family
+    guidance: ClassVar[str]  # "cfg" (guidance_scale > 1: CFG with the negative prompt) or "embedded" (FLUX.1-dev)
+    video: ClassVar[bool]  # decode returns videos [B, F, 3, H, W] instead of images [B, 3, H, W]
     pipeline: Any
 
     @classmethod
@@ -46,7 +53,17 @@ class FlowModelAdapter(Protocol):
     def latent_factor(self) -> int:
         """Pixels per token side (VAE downsampling x patch size): resolutions must be multiples of it."""
 
-    def encode(self, prompts: list[str], max_sequence_length: int, device: torch.device) -> Conditioning: ...
+    def needs_negative(self, guidance_scale: float) -> bool:
+        """Whether rollouts at ``guidance_scale`` need the negative prompt's conditioning."""
+
+    def timestep_kwargs(self, num_steps: int, resolution: int) -> dict[str, Any]:
+        """The family pipeline's extra ``scheduler.set_timesteps`` arguments (custom sigmas, dynamic-shift ``mu``)."""
+
+    def encode(
+        self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float = 1.0
+    ) -> Conditioning:
+        """One row per prompt; ``guidance_scale`` matters only to embedded-guidance families (it is part of the
+        conditioning that :meth:`predict` sees)."""
 
     def sample(self, scheduler: Any, cond: Conditioning, num_steps: int, resolution: int, generator: torch.Generator,
                guidance_scale: float = 1.0, negative: Conditioning | None = None) -> torch.Tensor:  # fmt: skip
@@ -55,10 +72,11 @@ class FlowModelAdapter(Protocol):
     def predict(
         self, module: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, cond: Conditioning
     ) -> torch.Tensor:
-        """The velocity ``v = eps - x0`` of ``module`` (the transformer, or its DDP/DeepSpeed wrapper) at ``sigma``."""
+        """The velocity ``v = eps - x0`` of ``module`` (the transformer, or its DDP/DeepSpeed wrapper) at flow time
+        ``sigma`` (``[B]``), in the adapter's latent space (the space of :meth:`sample`'s output)."""
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images ``[B, 3, H, W]`` in ``[0, 1]`` (float32), the reward input format."""
+        """Images ``[B, 3, H, W]`` (videos ``[B, F, 3, H, W]``) in ``[0, 1]`` (float32), the reward input format."""
 
     def save_lora(
         self, folder: str | os.PathLike, layers: dict[str, torch.Tensor], metadata: dict | None, weight_name=None
@@ -67,7 +85,11 @@ class FlowModelAdapter(Protocol):
         ``folder/weight_name`` (default: the family's standard file name)."""
 
 
-FAMILIES: tuple[type, ...] = (SD3Adapter,)
+FAMILIES: tuple[type, ...] = (SD3Adapter, FluxAdapter)
+
+
+def supported_pipelines() -> str:
+    return ", ".join(f.pipeline_class_name for f in FAMILIES)
 
 
 def adapter_for(pipeline: Any) -> FlowModelAdapter:
@@ -75,10 +97,28 @@ def adapter_for(pipeline: Any) -> FlowModelAdapter:
     for family in FAMILIES:
         if family.handles(pipeline):
             return family(pipeline)
-    names = ", ".join(f.pipeline_class_name for f in FAMILIES)
-    raise TypeError(f"{type(pipeline).__name__} is not a supported pipeline (supported: {names}).")
+    raise TypeError(f"{type(pipeline).__name__} is not a supported pipeline (supported: {supported_pipelines()}).")
+
+
+def family_of(name_or_path: str | os.PathLike) -> type:
+    """The family class of an offline model name, a local diffusers folder or a Hub id (by its ``_class_name``)."""
+    name = str(name_or_path)
+    for family in FAMILIES:
+        if name == family.tiny_name:
+            return family
+    if name == SHAPES_MODEL_NAME:
+        return SD3Adapter
+    class_name = pipeline_class_name(name)
+    for family in FAMILIES:
+        if family.pipeline_class_name == class_name:
+            return family
+    raise ValueError(
+        f"{name}: {class_name} is not a supported pipeline (supported: {supported_pipelines()}). "
+        "docs/adding-a-model-family.md says how to add one."
+    )
 
 
 def load_model(name_or_path: str | os.PathLike, torch_dtype: torch.dtype | None = None, tiny_seed: int = 0):
-    """The adapter of the pipeline at ``name_or_path`` (SD3 / SD3.5 folders and Hub ids, ``tiny``, ``shapes``)."""
-    return SD3Adapter.load(name_or_path, torch_dtype, tiny_seed)
+    """The adapter of the pipeline at ``name_or_path``: an offline name (``tiny``, ``tiny-flux``, ..., ``shapes``),
+    a local diffusers folder or a Hub id, its family picked from ``model_index.json``'s ``_class_name``."""
+    return family_of(name_or_path).load(name_or_path, torch_dtype, tiny_seed)

@@ -9,15 +9,14 @@ time ``sigma`` and decoding for the rewards. :class:`SD3Adapter` puts them behin
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from ..artifacts import LORA_KEY_PREFIX
 from ..distributed import zero3_init_disabled
+from .base import DiffusersFlowAdapter, save_diffusers_lora
+from .loading import cast_built, from_pretrained
 from .tiny import SHAPES_MODEL_NAME, TINY_MODEL_NAME, build_tiny_sd3_pipeline, shapes_model_path
 
 # The attention projections of every joint block (image and text streams); the paper's LoRA targets.
@@ -140,89 +139,45 @@ def load_sd3_pipeline(
 
     name_or_path = str(name_or_path)
     if name_or_path == TINY_MODEL_NAME:
-        pipe = build_tiny_sd3_pipeline(seed=tiny_seed)
-        if torch_dtype is not None and torch_dtype != torch.float32:
-            # Built in float32. nn.Module.to, not ModelMixin.to: diffusers' warns that it would keep "[]" in float32.
-            for component in pipe.components.values():
-                if isinstance(component, torch.nn.Module):
-                    torch.nn.Module.to(component, dtype=torch_dtype)
-        return pipe
-    # A Hub id is "name" or "org/name"; anything with more parts or a path prefix is a local path.
-    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-    expanded = Path(name_or_path).expanduser()
-    if looks_local and not expanded.exists():
-        raise FileNotFoundError(
-            f"model_name_or_path {name_or_path!r} is not an existing folder. Give a local diffusers folder, a Hub id "
-            f"such as 'stabilityai/stable-diffusion-3.5-medium', or {TINY_MODEL_NAME!r} / {SHAPES_MODEL_NAME!r} for the offline models."
-        )
-    kwargs: dict = {"torch_dtype": torch_dtype} if torch_dtype is not None else {}
+        return cast_built(build_tiny_sd3_pipeline(seed=tiny_seed), torch_dtype)
     if name_or_path == SHAPES_MODEL_NAME:
-        folder = shapes_model_path()
-        pipe = StableDiffusion3Pipeline.from_pretrained(str(folder), **kwargs, **_absent_components(folder))
+        pipe = from_pretrained(StableDiffusion3Pipeline, shapes_model_path(), torch_dtype)
         pipe.register_to_config(_name_or_path=SHAPES_MODEL_NAME)  # cards and adapters name it like a Hub id
         return pipe
-    if expanded.exists():
-        kwargs.update(_absent_components(expanded))
-        return StableDiffusion3Pipeline.from_pretrained(str(expanded), **kwargs)
-    return StableDiffusion3Pipeline.from_pretrained(name_or_path, **kwargs)
-
-
-def _absent_components(folder: Path) -> dict[str, None]:
-    """Components saved as ``[null, null]`` (e.g. no T5): diffusers wants them passed explicitly as ``None``."""
-    index = folder / "model_index.json"
-    if not index.is_file():
-        raise FileNotFoundError(f"{folder} has no model_index.json: it is not a diffusers pipeline folder.")
-    entries = json.loads(index.read_text())
-    return {
-        name: None
-        for name, value in entries.items()
-        if isinstance(value, list) and len(value) == 2 and value[0] is None and value[1] is None
-    }
+    return from_pretrained(StableDiffusion3Pipeline, name_or_path, torch_dtype)
 
 
 def save_sd3_lora(folder, layers: dict[str, torch.Tensor], metadata: dict | None, weight_name: str | None = None):
-    """The one writer of SD3 LoRA files: ``layers`` under diffusers' keys (with or without the ``transformer.``
-    prefix) and the LoRA config as metadata, in ``folder/weight_name`` (default ``pytorch_lora_weights.safetensors``),
-    loadable with ``StableDiffusion3Pipeline.load_lora_weights``."""
+    """SD3's LoRA file (:func:`~marble_trl.models.base.save_diffusers_lora`), loadable with
+    ``StableDiffusion3Pipeline.load_lora_weights``."""
     from diffusers import StableDiffusion3Pipeline
 
-    unprefixed = {k.removeprefix(LORA_KEY_PREFIX): v for k, v in layers.items()}
-    StableDiffusion3Pipeline.save_lora_weights(
-        str(folder),
-        transformer_lora_layers=unprefixed,
-        transformer_lora_adapter_metadata=metadata,
-        **({"weight_name": weight_name} if weight_name else {}),
-    )
+    save_diffusers_lora(StableDiffusion3Pipeline, folder, layers, metadata, weight_name)
 
 
-class SD3Adapter:
+class SD3Adapter(DiffusersFlowAdapter):
     """The SD3 / SD3.5 family behind :class:`~marble_trl.models.family.FlowModelAdapter`."""
 
     family = "sd3"
     pipeline_class_name = "StableDiffusion3Pipeline"
+    tiny_name = TINY_MODEL_NAME
     default_lora_targets = tuple(DEFAULT_LORA_TARGETS)
-
-    def __init__(self, pipeline) -> None:
-        self.pipeline = pipeline
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike, torch_dtype: torch.dtype | None = None, tiny_seed: int = 0):
         return cls(load_sd3_pipeline(name_or_path, torch_dtype, tiny_seed))
 
     @classmethod
+    def build_tiny(cls, seed: int = 0):
+        return build_tiny_sd3_pipeline(seed=seed)
+
+    @classmethod
     def handles(cls, pipeline) -> bool:
         return type(pipeline).__name__ == cls.pipeline_class_name or hasattr(pipeline, "text_encoder_3")
 
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.pipeline.transformer
-
-    @property
-    def latent_factor(self) -> int:
-        """Pixels per transformer token side: the VAE's downsampling times the patch size."""
-        return getattr(self.pipeline, "vae_scale_factor", 8) * self.pipeline.transformer.config.patch_size
-
-    def encode(self, prompts: list[str], max_sequence_length: int, device: torch.device) -> PromptEmbeddings:
+    def encode(
+        self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float = 1.0
+    ) -> PromptEmbeddings:
         return encode_prompts(self.pipeline, prompts, max_sequence_length, device)
 
     def sample(self, scheduler, cond: PromptEmbeddings, num_steps: int, resolution: int, generator: torch.Generator,
@@ -239,8 +194,3 @@ class SD3Adapter:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return decode_latents(self.pipeline, latents)
-
-    def save_lora(
-        self, folder: str | os.PathLike, layers: dict[str, torch.Tensor], metadata: dict | None, weight_name=None
-    ) -> None:
-        save_sd3_lora(folder, layers, metadata, weight_name)

@@ -23,6 +23,12 @@ import torch
 from ..artifacts import SHIPPED_WEIGHTS
 
 TINY_MODEL_NAME = "tiny"
+# Every family's offline random model (models/<family>.py builds it): usable as --model_name_or_path like "tiny".
+TINY_FLUX_NAME = "tiny-flux"
+TINY_WAN_NAME = "tiny-wan"
+TINY_QWEN_IMAGE_NAME = "tiny-qwen-image"
+TINY_SANA_NAME = "tiny-sana"
+TINY_MODEL_NAMES = (TINY_MODEL_NAME, TINY_FLUX_NAME, TINY_WAN_NAME, TINY_QWEN_IMAGE_NAME, TINY_SANA_NAME)
 # The ShapesBench base model shipped inside the package (marble_trl/shapesbench/weights/shapes): a tiny SD3.5-
 # architecture pipeline pretrained on the ShapesBench world, the README's main job (docs/shapesbench.md).
 SHAPES_MODEL_NAME = "shapes"
@@ -42,7 +48,7 @@ def shapes_model_path() -> Path:
 _TINY_CHARS = string.ascii_lowercase + string.digits + string.punctuation
 
 
-def _tiny_clip_tokenizer(max_length: int = 77):
+def tiny_clip_tokenizer(max_length: int = 77):
     """A CLIP tokenizer over single characters (no merges): every prompt tokenizes, nothing is downloaded."""
     from transformers import CLIPTokenizer
 
@@ -52,6 +58,57 @@ def _tiny_clip_tokenizer(max_length: int = 77):
     tokenizer = CLIPTokenizer(vocab=vocab, merges=[])
     tokenizer.model_max_length = max_length
     return tokenizer
+
+
+def tiny_t5_tokenizer():
+    """A T5 tokenizer over single characters (a unigram vocabulary of the tiny character set): no download."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(c, -3.0) for c in _TINY_CHARS + string.ascii_uppercase]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0)
+
+
+def tiny_t5_encoder(d_model: int, umt5: bool = False):
+    """A random two-layer T5 (or UMT5, Wan's) encoder over :func:`tiny_t5_tokenizer`'s vocabulary."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    config_cls, model_cls = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    config = config_cls(
+        vocab_size=len(tiny_t5_tokenizer()),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return model_cls(config).eval()
+
+
+def tiny_clip_text_encoder(hidden: int, projection_dim: int | None = None):
+    """A random two-layer CLIP text encoder over :func:`tiny_clip_tokenizer`'s vocabulary (with a projection head
+    when ``projection_dim`` is given, as SD3's; without, as FLUX's)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    cfg = CLIPTextConfig(
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        layer_norm_eps=1e-5,
+        num_attention_heads=2,
+        num_hidden_layers=2,
+        vocab_size=2 + 2 * len(_TINY_CHARS),
+        max_position_embeddings=77,
+        hidden_act="gelu",
+        projection_dim=projection_dim or hidden,
+    )
+    return (CLIPTextModelWithProjection(cfg) if projection_dim else CLIPTextModel(cfg)).eval()
 
 
 def _placeholder_t5(d_model: int):
@@ -102,7 +159,6 @@ def build_tiny_sd3_pipeline(
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
     )
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
     inner = hidden_heads * head_dim
     generator_state = torch.random.get_rng_state()
@@ -140,21 +196,7 @@ def build_tiny_sd3_pipeline(
         )
 
         def text_encoder():
-            cfg = CLIPTextConfig(
-                bos_token_id=0,
-                eos_token_id=1,
-                pad_token_id=1,
-                hidden_size=text_hidden,
-                intermediate_size=2 * text_hidden,
-                layer_norm_eps=1e-5,
-                num_attention_heads=2,
-                num_hidden_layers=2,
-                vocab_size=2 + 2 * len(_TINY_CHARS),
-                max_position_embeddings=77,
-                hidden_act="gelu",
-                projection_dim=inner,
-            )
-            return CLIPTextModelWithProjection(cfg)
+            return tiny_clip_text_encoder(text_hidden, projection_dim=inner)
 
         text_encoder_1, text_encoder_2 = text_encoder(), text_encoder()
         text_encoder_3, tokenizer_3 = _placeholder_t5(2 * text_hidden) if placeholder_t5 else (None, None)
@@ -169,9 +211,9 @@ def build_tiny_sd3_pipeline(
         scheduler=scheduler,
         vae=vae,
         text_encoder=text_encoder_1,
-        tokenizer=_tiny_clip_tokenizer(),
+        tokenizer=tiny_clip_tokenizer(),
         text_encoder_2=text_encoder_2,
-        tokenizer_2=_tiny_clip_tokenizer(),
+        tokenizer_2=tiny_clip_tokenizer(),
         text_encoder_3=text_encoder_3,
         tokenizer_3=tokenizer_3,
     )
@@ -193,5 +235,7 @@ def save_tiny_sd3_pipeline(path: str | os.PathLike, seed: int = 0, **kwargs) -> 
 
 
 def tiny_seed_of(pipeline) -> int | None:
-    """The seed of a pipeline built by :func:`build_tiny_sd3_pipeline` (``None`` for any other pipeline)."""
-    return getattr(pipeline, "tiny_seed", None) if getattr(pipeline, "name_or_path", None) == TINY_MODEL_NAME else None
+    """The seed of an offline tiny pipeline (:data:`TINY_MODEL_NAMES`; ``None`` for any other pipeline)."""
+    return (
+        getattr(pipeline, "tiny_seed", None) if getattr(pipeline, "name_or_path", None) in TINY_MODEL_NAMES else None
+    )

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..nft_config import DEFAULT_LORA_TARGETS
+from ..models.sd3 import DEFAULT_LORA_TARGETS
 from ..scores import mean_sem
 from .methods import Method, StepTimer, all_methods, attach
 from .scorers import REWARD_NAMES, REWARDS, score_all

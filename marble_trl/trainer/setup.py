@@ -26,8 +26,12 @@ def check_inputs(train_dataset, eval_dataset, reward_funcs, args) -> None:
         check_prompt_dataset(dataset, name=name)
 
 
-def lora_config(args, peft_config=None):
-    """``peft_config``, or one built from the ``lora_*`` fields of ``args``; a zero ``lora_alpha`` is an error."""
+def lora_config(args, peft_config=None, default_targets: tuple[str, ...] = ()):
+    """``peft_config``, or one built from the ``lora_*`` fields of ``args``; a zero ``lora_alpha`` is an error. Unset
+    ``lora_target_modules`` become the family's ``default_targets``, written back into ``args`` (so resume checks
+    and model cards see the modules trained)."""
+    if args.lora_target_modules is None:
+        args.lora_target_modules = list(default_targets)
     if peft_config is None:
         from peft import LoraConfig  # peft imports transformers' model zoo: only when the trainer builds one
 

@@ -23,10 +23,10 @@ StepMode = Literal["plain", "cosines", "refresh", "amortised"]
 
 
 def encode_prompts_and_negative(adapter, prompts: list[str], args, device) -> tuple[Conditioning, Conditioning | None]:
-    """The prompts' conditioning, and the negative prompt's when CFG is on (``guidance_scale > 1``)."""
-    embeds = adapter.encode(prompts, args.max_sequence_length, device)
+    """The prompts' conditioning, and the negative prompt's when the family uses CFG and ``guidance_scale > 1``."""
+    embeds = adapter.encode(prompts, args.max_sequence_length, device, args.guidance_scale)
     negative = None
-    if args.guidance_scale > 1.0:
+    if adapter.needs_negative(args.guidance_scale):
         negative = adapter.encode([args.negative_prompt] * len(prompts), args.max_sequence_length, device)
     return embeds, negative
 

@@ -178,7 +178,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
         check_resolution(args.resolution, self.model_adapter.latent_factor)
         transformer = self.model_adapter.transformer
 
-        self.peft_config = peft_config = lora_config(args, peft_config)
+        self.peft_config = peft_config = lora_config(args, peft_config, self.model_adapter.default_lora_targets)
         add_policy_adapters(transformer, peft_config)
         # diffusers models have `enable_gradient_checkpointing`; Trainer calls `activation_checkpointing_enable`.
         transformer.activation_checkpointing_enable = lambda **_: transformer.enable_gradient_checkpointing()
@@ -207,7 +207,8 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
         for component in frozen_components(self.pipeline):
             component.to(self.accelerator.device)
         self.rollout_scheduler = make_scheduler(args.sample_scheduler, self.pipeline.scheduler)
-        self.train_sigmas = training_sigmas(self.pipeline.scheduler, args.num_sample_steps)
+        grid = self.model_adapter.timestep_kwargs(args.num_sample_steps, args.resolution)  # the family's sigma grid
+        self.train_sigmas = training_sigmas(self.pipeline.scheduler, args.num_sample_steps, **grid)
         self.eval_scheduler = make_scheduler(args.eval_sample_scheduler, self.pipeline.scheduler)
         if self.is_deepspeed_enabled:
             plugin_config = self.accelerator.state.deepspeed_plugin.deepspeed_config

@@ -1,0 +1,130 @@
+"""What every diffusers family adapter shares: loading (offline tiny name, local folder, Hub id), the family test, the
+per-distinct-prompt encoding cache, the LoRA writer and the conditioning's row indexing.
+
+A family module (``sd3.py``, ``flux.py``, ``wan.py``, ...) subclasses :class:`DiffusersFlowAdapter` and writes only
+what differs: ``_encode`` (distinct prompts -> conditioning), ``sample``, ``predict``, ``decode`` and ``build_tiny``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, ClassVar
+
+import torch
+
+from ..artifacts import LORA_KEY_PREFIX
+from ..distributed import zero3_init_disabled
+from .loading import cast_built, from_pretrained
+
+
+@dataclasses.dataclass
+class RowConditioning:
+    """A conditioning whose tensor fields have one row per sample; fields named in ``shared`` are not per sample
+    (e.g. FLUX's text position ids) and ``None`` fields stay ``None``."""
+
+    shared: ClassVar[tuple[str, ...]] = ()
+
+    def index(self, idx: Any):
+        values = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            values[f.name] = value if value is None or f.name in self.shared else value[idx]
+        return type(self)(**values)
+
+
+def unique_index(prompts: list[str]) -> tuple[list[str], list[int]]:
+    """The distinct prompts in first-seen order, and each prompt's row among them (groups repeat a prompt G times)."""
+    unique = list(dict.fromkeys(prompts))
+    where = {p: i for i, p in enumerate(unique)}
+    return unique, [where[p] for p in prompts]
+
+
+class DiffusersFlowAdapter:
+    """The shared half of a :class:`~marble_trl.models.family.FlowModelAdapter` for a diffusers pipeline."""
+
+    family: ClassVar[str]
+    pipeline_class_name: ClassVar[str]  # the diffusers pipeline class (model_index.json's _class_name)
+    tiny_name: ClassVar[str | None] = None  # the offline random model's name (tests, smoke runs)
+    default_lora_targets: ClassVar[tuple[str, ...]]
+    # "cfg": guidance_scale > 1 is classifier-free guidance with the negative prompt (a second forward per step);
+    # "embedded": guidance-distilled (FLUX.1-dev), guidance_scale is the transformer's guidance input.
+    guidance: ClassVar[str] = "cfg"
+    video: ClassVar[bool] = False  # decode returns videos [B, F, 3, H, W]
+
+    def __init__(self, pipeline) -> None:
+        self.pipeline = pipeline
+
+    # ---------------------------------------------------------------------------------------------- loading
+    @classmethod
+    def pipeline_class(cls):
+        import diffusers
+
+        return getattr(diffusers, cls.pipeline_class_name)
+
+    @classmethod
+    def build_tiny(cls, seed: int = 0):
+        raise NotImplementedError(f"{cls.family} has no offline tiny model")
+
+    @classmethod
+    def load(cls, name_or_path: str | os.PathLike, torch_dtype: torch.dtype | None = None, tiny_seed: int = 0):
+        if cls.tiny_name is not None and str(name_or_path) == cls.tiny_name:
+            return cls(cast_built(cls.build_tiny(seed=tiny_seed), torch_dtype))
+        with zero3_init_disabled():  # frozen components must not be partitioned by ZeRO-3 (marble_trl.distributed)
+            return cls(from_pretrained(cls.pipeline_class(), name_or_path, torch_dtype))
+
+    @classmethod
+    def handles(cls, pipeline) -> bool:
+        return type(pipeline).__name__ == cls.pipeline_class_name
+
+    # ---------------------------------------------------------------------------------------------- the model
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipeline.transformer
+
+    @property
+    def latent_factor(self) -> int:
+        """Pixels per transformer token side: the VAE's downsampling times the patch size."""
+        patch = self.pipeline.transformer.config.patch_size
+        patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
+        return self.pipeline.vae_scale_factor * patch
+
+    def needs_negative(self, guidance_scale: float) -> bool:
+        """Whether rollouts at ``guidance_scale`` need the negative prompt's conditioning (CFG families only)."""
+        return self.guidance == "cfg" and guidance_scale > 1.0
+
+    def timestep_kwargs(self, num_steps: int, resolution: int) -> dict[str, Any]:
+        """What the family's pipeline passes to ``scheduler.set_timesteps`` besides the step count (custom sigmas,
+        the dynamic-shift ``mu``): the training grid must be the rollout's grid."""
+        return {}
+
+    def encode(self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float = 1.0):
+        """Each distinct prompt encoded once, expanded back to ``prompts``."""
+        unique, rows = unique_index(prompts)
+        with torch.no_grad():
+            cond = self._encode(unique, max_sequence_length, device, guidance_scale)
+        return cond.index(torch.tensor(rows))
+
+    def _encode(self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float):
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------------------------------------- LoRA files
+    def save_lora(
+        self, folder: str | os.PathLike, layers: dict[str, torch.Tensor], metadata: dict | None, weight_name=None
+    ) -> None:
+        save_diffusers_lora(self.pipeline_class(), folder, layers, metadata, weight_name)
+
+
+def save_diffusers_lora(
+    pipeline_cls, folder, layers: dict[str, torch.Tensor], metadata: dict | None, weight_name=None
+):
+    """The one writer of LoRA files: ``layers`` under diffusers' keys (with or without the ``transformer.`` prefix)
+    and the LoRA config as metadata, in ``folder/weight_name`` (default ``pytorch_lora_weights.safetensors``), through
+    the family pipeline's own ``save_lora_weights`` so that its ``load_lora_weights`` reads it back."""
+    unprefixed = {k.removeprefix(LORA_KEY_PREFIX): v for k, v in layers.items()}
+    pipeline_cls.save_lora_weights(
+        str(folder),
+        transformer_lora_layers=unprefixed,
+        transformer_lora_adapter_metadata=metadata,
+        **({"weight_name": weight_name} if weight_name else {}),
+    )
