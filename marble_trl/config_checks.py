@@ -10,6 +10,7 @@ import math
 from .advantages import SCALE_REWARDS
 from .nft import DECAY_TYPES
 from .resume import APPLIED_FIELDS, EXACT_FIELDS
+from .rewards.video import check_frames
 from .sources import normalise_ratios
 
 logger = logging.getLogger("marble_trl.nft_config")  # the config's warnings, under the config's logger name
@@ -41,6 +42,11 @@ def check_fields(self) -> None:
         "max_steps must not be 0: transformers would still train one optimizer step (it checks the limit only "
         "after a step). Set max_steps >= 1, or -1 (the default) to train num_train_epochs epochs.",
     )
+    need(self.num_frames is None or self.num_frames >= 1, f"num_frames={self.num_frames}: use at least 1 frame.")
+    try:
+        check_frames(self.video_reward_frames)
+    except ValueError as err:
+        need(False, str(err))
     need(
         self.lora_target_modules is None or len(self.lora_target_modules) > 0,
         "lora_target_modules is empty: name at least one module to adapt, or leave it unset for the family's default.",

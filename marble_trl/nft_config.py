@@ -126,6 +126,17 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         default=256, metadata={"help": "T5 prompt tokens (SD3 default 256; zero-padded when the pipeline has no T5)."}
     )
     negative_prompt: str = field(default="", metadata={"help": "Negative prompt, used only when guidance_scale > 1."})
+    num_frames: int | None = field(
+        default=None,
+        metadata={"help": "Frames per video (video families: Wan; Wan needs 4k + 1). Default: the model's (Wan: 81)."},
+    )
+    video_reward_frames: str = field(
+        default="mean",
+        metadata={
+            "help": "How an image reward scores a video: 'mean' (every frame, the mean of their scores), 'first', "
+            "'middle', 'last' or a frame index. Rewards that take `videos` get the whole video (docs/rewards.md)."
+        },
+    )
 
     # --- the NFT objective ---
     nft_beta: float = field(

@@ -21,6 +21,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from .artifacts import SAMPLES_DIR
 from .rewards.images import to_pil
+from .rewards.video import still_frames
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +162,9 @@ def draw_lines(draw: ImageDraw.ImageDraw, xy: tuple[int, int], lines: Sequence[s
 
 # ---------------------------------------------------------------------------------------------- sheets
 def image_grid(images: torch.Tensor, columns: int) -> Image.Image:
-    """Tile ``[N, 3, H, W]`` images in ``[0, 1]`` into a grid with ``columns`` columns (no captions)."""
-    pils = to_pil(images)
+    """Tile ``[N, 3, H, W]`` images in ``[0, 1]`` into a grid with ``columns`` columns (no captions); videos show
+    their middle frame."""
+    pils = to_pil(still_frames(images))
     w, h = pils[0].size
     rows = (len(pils) + columns - 1) // columns
     grid = Image.new("RGB", (columns * w, rows * h), "white")
@@ -173,7 +175,7 @@ def image_grid(images: torch.Tensor, columns: int) -> Image.Image:
 
 def _as_pils(images) -> list[Image.Image]:
     if isinstance(images, torch.Tensor):
-        return to_pil(images)
+        return to_pil(still_frames(images))  # a video's grid cell is its middle frame
     return [im.convert("RGB") for im in images]
 
 
@@ -378,12 +380,42 @@ def comparison_sheet(
 
 
 def save_samples(images, prompts: list[str], folder: str | os.PathLike) -> list[tuple[str, str]]:
-    """Save ``[N, 3, H, W]`` images in ``[0, 1]`` as ``samples/000.png`` ... under ``folder``; returns
-    ``(relative path, prompt)`` pairs for the card."""
+    """Save ``[N, 3, H, W]`` images in ``[0, 1]`` as ``samples/000.png`` ... under ``folder`` (videos
+    ``[N, F, 3, H, W]`` as ``samples/000.mp4`` or ``.gif``, see :func:`write_video`); returns ``(relative path,
+    prompt)`` pairs for the card."""
     out = Path(folder) / SAMPLES_DIR
     out.mkdir(parents=True, exist_ok=True)
     pairs = []
+    if images.ndim == 5:
+        for i, (video, prompt) in enumerate(zip(images, prompts)):
+            path = write_video(video, out / f"{i:03d}")
+            pairs.append((f"{SAMPLES_DIR}/{path.name}", prompt))
+        return pairs
     for i, (image, prompt) in enumerate(zip(to_pil(images), prompts)):
         image.save(out / f"{i:03d}.png")
         pairs.append((f"{SAMPLES_DIR}/{i:03d}.png", prompt))
     return pairs
+
+
+def write_video(frames: torch.Tensor, stem: str | os.PathLike, fps: int = 16) -> Path:
+    """One video ``[F, 3, H, W]`` in ``[0, 1]`` as ``stem.mp4`` (H.264 through imageio-ffmpeg, the ``video``
+    extra) or, without it, ``stem.gif`` (Pillow); returns the path written."""
+    stem = Path(stem)
+    array = (frames.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    try:
+        import imageio.v3 as iio
+        import imageio_ffmpeg  # noqa: F401  (the ffmpeg binary imageio's mp4 writer needs)
+    except ImportError:
+        pils = [Image.fromarray(a) for a in array]
+        path = stem.with_suffix(".gif")
+        pils[0].save(path, save_all=True, append_images=pils[1:], duration=round(1000 / fps), loop=0)
+        return path
+    path = stem.with_suffix(".mp4")
+    # yuv420p (what browsers and the Hub's viewer play) needs even sides: pad by one row / column if odd.
+    pad_h, pad_w = array.shape[1] % 2, array.shape[2] % 2
+    if pad_h or pad_w:
+        import numpy as np
+
+        array = np.pad(array, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+    iio.imwrite(path, array, plugin="FFMPEG", fps=fps, codec="libx264", macro_block_size=1)
+    return path

@@ -60,7 +60,7 @@ def test_unsupported_pipeline_lists_the_supported_ones(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(ValueError, match="StableDiffusionXLPipeline is not a supported pipeline.*FluxPipeline"):
         load_model(tmp_path)
-    with pytest.raises(TypeError, match="supported: StableDiffusion3Pipeline, FluxPipeline"):
+    with pytest.raises(TypeError, match="supported: StableDiffusion3Pipeline, FluxPipeline, WanPipeline"):
         adapter_for(object())
 
 

@@ -23,6 +23,7 @@ from .tiny import (
     shapes_model_path,
     tiny_seed_of,
 )
+from .wan import WanAdapter, build_tiny_wan_pipeline
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
@@ -31,6 +32,8 @@ __all__ = [
     "TINY_MODEL_NAME",
     "TINY_MODEL_NAMES",
     "FluxAdapter",
+    "WanAdapter",
+    "build_tiny_wan_pipeline",
     "build_tiny_flux_pipeline",
     "family_of",
     "Conditioning",

@@ -19,6 +19,7 @@ from .flux import FluxAdapter
 from .loading import pipeline_class_name
 from .sd3 import SD3Adapter
 from .tiny import SHAPES_MODEL_NAME
+from .wan import WanAdapter
 
 
 @runtime_checkable
@@ -85,7 +86,7 @@ class FlowModelAdapter(Protocol):
         ``folder/weight_name`` (default: the family's standard file name)."""
 
 
-FAMILIES: tuple[type, ...] = (SD3Adapter, FluxAdapter)
+FAMILIES: tuple[type, ...] = (SD3Adapter, FluxAdapter, WanAdapter)
 
 
 def supported_pipelines() -> str:

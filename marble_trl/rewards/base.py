@@ -136,7 +136,8 @@ def check_reward_signature(fn: Any, name: str | None = None, columns: Iterable[s
     if sig is None:
         return
     names = [c for c in columns if c != "prompt"] if columns is not None else []
-    kwargs = dict.fromkeys(["prompts", "images", *names, *accepted_trainer_kwargs(fn)])
+    samples = "videos" if "videos" in sig.parameters else "images"  # a video-native reward (rewards.video)
+    kwargs = dict.fromkeys(["prompts", samples, *names, *accepted_trainer_kwargs(fn)])
     try:
         if columns is not None:
             sig.bind(**kwargs)

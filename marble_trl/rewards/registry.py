@@ -40,7 +40,7 @@ def available_rewards() -> list[str]:
 
 def _import_builtins() -> None:
     # Importing the modules registers their rewards; heavy dependencies inside them are imported lazily.
-    from . import jpeg, shapes, simple  # noqa: F401
+    from . import jpeg, shapes, simple, video  # noqa: F401
 
     for optional in ("ocr", "clip_family", "hpsv2", "imagereward", "http"):
         try:

@@ -51,6 +51,28 @@ def lora_config(args, peft_config=None, default_targets: tuple[str, ...] = ()):
     return peft_config
 
 
+def family_rewards(adapter, args, reward_funcs: list, eval_reward_funcs: list) -> tuple[list, list]:
+    """The rewards as the family's samples need them: for a video family every reward wrapped in
+    :class:`~marble_trl.rewards.video.VideoReward` (``video_reward_frames``) and the adapter's ``num_frames`` set;
+    for an image family, an error for ``num_frames`` or a reward that only takes ``videos``."""
+    from ..rewards.video import as_video_rewards, takes_images, takes_videos
+
+    if adapter.video:
+        if args.num_frames is not None:
+            adapter.num_frames = args.num_frames
+        return (as_video_rewards(reward_funcs, args.video_reward_frames),
+                as_video_rewards(eval_reward_funcs, args.video_reward_frames))  # fmt: skip
+    if args.num_frames is not None:
+        raise ValueError(f"num_frames={args.num_frames} is for video families (Wan); {adapter.family} makes images.")
+    for fn in [*reward_funcs, *eval_reward_funcs]:
+        if takes_videos(fn) and not takes_images(fn):
+            raise ValueError(
+                f"Reward {reward_name(fn)!r} takes videos, but {adapter.family} makes images: use it with a video "
+                "family (Wan), or give it an `images` parameter."
+            )
+    return reward_funcs, eval_reward_funcs
+
+
 def check_resolution(resolution: int, factor: int) -> None:
     if resolution % factor:
         raise ValueError(

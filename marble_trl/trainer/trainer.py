@@ -1,4 +1,5 @@
-"""``MarbleDiffusionNFTTrainer``: DiffusionNFT online RL for SD3 / SD3.5 with LoRA, on TRL's trainer base.
+"""``MarbleDiffusionNFTTrainer``: DiffusionNFT online RL for flow-matching models (SD3 / SD3.5, FLUX.1, Wan, ...) with
+LoRA, on TRL's trainer base.
 
 DiffusionNFT: "Online Diffusion Reinforcement with Forward Process", Zheng et al., arXiv 2509.16117 (ICLR 2026).
 MARBLE: "Multi-Aspect Reward Balance for Diffusion RL", arXiv 2605.06507 (2026).
@@ -6,8 +7,7 @@ MARBLE: "Multi-Aspect Reward Balance for Diffusion RL", arXiv 2605.06507 (2026).
 It is a :class:`transformers.Trainer` (through TRL's base), so logging, ``report_to``, callbacks, progress bars and
 ``save_steps`` behave as usual. One optimizer step is:
 
-1. rollouts of ``G`` images per prompt with the old-policy adapter (CFG-free by default), prompt embeddings computed
-   once per distinct prompt;
+1. rollouts of ``G`` images (videos) per prompt with the old-policy adapter (CFG-free by default);
 2. rewards, gathered over processes, and group advantages (:mod:`marble_trl.advantages`);
 3. the NFT loss on the forward process for every (micro-batch, training timestep), accumulated into one step
    (:mod:`.step` plans the step, :mod:`.backward` runs it; the model is reached only through its family adapter,
@@ -86,6 +86,7 @@ from .setup import (
     check_resolution,
     eval_datasets,
     eval_rewards,
+    family_rewards,
     frozen_components,
     group_sampler,
     lora_config,
@@ -191,6 +192,8 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
         )
         for columns in [getattr(d, "column_names", None) for _, d in eval_datasets(eval_dataset)] or [None]:
             check_reward_funcs(self.eval_reward_funcs, self.eval_reward_names, columns)
+        funcs = family_rewards(self.model_adapter, args, self.reward_funcs, self.eval_reward_funcs)  # video: lifted
+        self.reward_funcs, self.eval_reward_funcs = funcs
         self.reward_extras: dict[str, list[Any]] = {}  # log_extra's columns of the last step (this process's samples)
 
         self._metrics: dict[str, list[float]] = defaultdict(list)
