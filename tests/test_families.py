@@ -60,7 +60,9 @@ def test_unsupported_pipeline_lists_the_supported_ones(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(ValueError, match="StableDiffusionXLPipeline is not a supported pipeline.*FluxPipeline"):
         load_model(tmp_path)
-    with pytest.raises(TypeError, match="supported: StableDiffusion3Pipeline, FluxPipeline, WanPipeline"):
+    with pytest.raises(
+        TypeError, match="supported: StableDiffusion3Pipeline, FluxPipeline, WanPipeline, QwenImagePipeline"
+    ):
         adapter_for(object())
 
 
@@ -83,7 +85,7 @@ def test_rollout_is_euler_on_the_trainers_velocity_and_grid(name):
             v = adapter.predict(adapter.transformer, x, s.expand(2), cond)
             if negative is not None:
                 v_neg = adapter.predict(adapter.transformer, x, s.expand(2), negative)
-                v = v_neg + guidance * (v - v_neg)
+                v = adapter.guided_velocity(v, v_neg, guidance)
             nxt = sigmas[i + 1] if i + 1 < steps else torch.tensor(0.0)
             x = x + (nxt - s) * v
     assert (x0 - x).abs().max() < 1e-4 * x0.abs().max(), (x0 - x).abs().max()

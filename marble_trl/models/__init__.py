@@ -4,6 +4,7 @@ each family module builds its own ``tiny-<family>``)."""
 
 from .family import FAMILIES, Conditioning, FlowModelAdapter, adapter_for, family_of, load_model
 from .flux import FluxAdapter, build_tiny_flux_pipeline
+from .qwen_image import QwenImageAdapter, build_tiny_qwen_image_pipeline
 from .sd3 import (
     DEFAULT_LORA_TARGETS,
     PromptEmbeddings,
@@ -33,6 +34,8 @@ __all__ = [
     "TINY_MODEL_NAMES",
     "FluxAdapter",
     "WanAdapter",
+    "QwenImageAdapter",
+    "build_tiny_qwen_image_pipeline",
     "build_tiny_wan_pipeline",
     "build_tiny_flux_pipeline",
     "family_of",

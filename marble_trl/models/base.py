@@ -93,6 +93,11 @@ class DiffusersFlowAdapter:
         """Whether rollouts at ``guidance_scale`` need the negative prompt's conditioning (CFG families only)."""
         return self.guidance == "cfg" and guidance_scale > 1.0
 
+    @staticmethod
+    def guided_velocity(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """The family pipeline's CFG combination of the conditional and negative velocities (plain CFG here)."""
+        return v_uncond + scale * (v_cond - v_uncond)
+
     def timestep_kwargs(self, num_steps: int, resolution: int) -> dict[str, Any]:
         """What the family's pipeline passes to ``scheduler.set_timesteps`` besides the step count (custom sigmas,
         the dynamic-shift ``mu``): the training grid must be the rollout's grid."""

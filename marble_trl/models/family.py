@@ -17,6 +17,7 @@ import torch
 
 from .flux import FluxAdapter
 from .loading import pipeline_class_name
+from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .tiny import SHAPES_MODEL_NAME
 from .wan import WanAdapter
@@ -86,7 +87,7 @@ class FlowModelAdapter(Protocol):
         ``folder/weight_name`` (default: the family's standard file name)."""
 
 
-FAMILIES: tuple[type, ...] = (SD3Adapter, FluxAdapter, WanAdapter)
+FAMILIES: tuple[type, ...] = (SD3Adapter, FluxAdapter, WanAdapter, QwenImageAdapter)
 
 
 def supported_pipelines() -> str:
