@@ -61,7 +61,8 @@ def test_unsupported_pipeline_lists_the_supported_ones(tmp_path):
     with pytest.raises(ValueError, match="StableDiffusionXLPipeline is not a supported pipeline.*FluxPipeline"):
         load_model(tmp_path)
     with pytest.raises(
-        TypeError, match="supported: StableDiffusion3Pipeline, FluxPipeline, WanPipeline, QwenImagePipeline"
+        TypeError,
+        match="supported: StableDiffusion3Pipeline, FluxPipeline, WanPipeline, QwenImagePipeline, ZImagePipeline",
     ):
         adapter_for(object())
 

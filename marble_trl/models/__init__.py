@@ -25,6 +25,7 @@ from .tiny import (
     tiny_seed_of,
 )
 from .wan import WanAdapter, build_tiny_wan_pipeline
+from .z_image import ZImageAdapter, build_tiny_z_image_pipeline
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
@@ -35,6 +36,8 @@ __all__ = [
     "FluxAdapter",
     "WanAdapter",
     "QwenImageAdapter",
+    "ZImageAdapter",
+    "build_tiny_z_image_pipeline",
     "build_tiny_qwen_image_pipeline",
     "build_tiny_wan_pipeline",
     "build_tiny_flux_pipeline",

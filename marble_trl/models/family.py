@@ -21,6 +21,7 @@ from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .tiny import SHAPES_MODEL_NAME
 from .wan import WanAdapter
+from .z_image import ZImageAdapter
 
 
 @runtime_checkable
@@ -87,7 +88,7 @@ class FlowModelAdapter(Protocol):
         ``folder/weight_name`` (default: the family's standard file name)."""
 
 
-FAMILIES: tuple[type, ...] = (SD3Adapter, FluxAdapter, WanAdapter, QwenImageAdapter)
+FAMILIES: tuple[type, ...] = (SD3Adapter, FluxAdapter, WanAdapter, QwenImageAdapter, ZImageAdapter)
 
 
 def supported_pipelines() -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-OFFLINE_HINT = "'tiny', 'tiny-flux', 'tiny-wan', 'tiny-qwen-image', 'tiny-sana' or 'shapes' for the offline models"
+OFFLINE_HINT = "'tiny', 'tiny-flux', 'tiny-wan', 'tiny-qwen-image', 'tiny-z-image' or 'shapes' for the offline models"
 
 
 def local_folder(name_or_path: str | os.PathLike) -> Path | None:
