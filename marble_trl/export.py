@@ -105,6 +105,8 @@ def generate_images(
     tiny_seed: int | None = None,
     torch_dtype: torch.dtype | None = None,
     device: str | None = None,
+    negative_prompt: str | None = None,
+    num_frames: int | None = None,
 ) -> torch.Tensor:
     """Images ``[N, 3, H, W]`` in ``[0, 1]``: ``model`` (``"tiny"``, a folder or a Hub id) plus the diffusers LoRA in
     ``lora`` (``load_lora_weights``). Unset settings come from the LoRA folder's ``marble_trl.json`` (the training
@@ -121,13 +123,13 @@ def generate_images(
     resolution = resolution or settings.get("resolution")
     scheduler = scheduler or settings.get("scheduler") or "pipeline"
     max_len = max_sequence_length or settings.get("max_sequence_length") or 256
+    negative_prompt = negative_prompt if negative_prompt is not None else settings.get("negative_prompt") or ""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch_dtype is None:
         torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     # float32 is every pipeline's own dtype: no cast (diffusers warns on casts)
-    pipe = load_model(
-        model, torch_dtype=None if torch_dtype == torch.float32 else torch_dtype, tiny_seed=tiny_seed
-    ).pipeline
+    adapter = load_model(model, torch_dtype=None if torch_dtype == torch.float32 else torch_dtype, tiny_seed=tiny_seed)
+    pipe = adapter.pipeline
     if lora is not None:
         folder = Path(lora)
         if weight_name is None and not (folder / LORA_FILE).is_file() and (folder / PEFT_WEIGHTS_FILE).is_file():
@@ -136,19 +138,21 @@ def generate_images(
                 "(marble-trl export --format diffusers)."
             )
         pipe.load_lora_weights(str(folder), weight_name=weight_name)
-    pipe.scheduler = make_scheduler(scheduler, pipe.scheduler)
     pipe.set_progress_bar_config(disable=True)
     pipe.to(device)
-    size = {"height": resolution, "width": resolution} if resolution else {}
-    return pipe(
-        prompts,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        max_sequence_length=max_len,
-        output_type="pt",
-        generator=torch.Generator().manual_seed(seed),
-        **size,
-    ).images.float()
+    if num_frames is not None or settings.get("num_frames"):
+        adapter.num_frames = num_frames or settings["num_frames"]
+    # Through the family adapter, as the trainer samples: the same conditioning, guidance convention and sampler.
+    resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+    cond = adapter.encode(list(prompts), max_len, torch.device(device), guidance)
+    negative = None
+    if adapter.needs_negative(guidance):
+        negative = adapter.encode([negative_prompt] * len(prompts), max_len, torch.device(device))
+    latents = adapter.sample(
+        make_scheduler(scheduler, pipe.scheduler), cond, steps, resolution, torch.Generator().manual_seed(seed),
+        guidance, negative,
+    )  # fmt: skip
+    return adapter.decode(latents).float()
 
 
 def read_sampling_settings(lora: str | os.PathLike | None) -> dict[str, Any]:

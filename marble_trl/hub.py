@@ -87,7 +87,7 @@ CARD_CONFIG_FIELDS = [
     "seed",
 ]
 # Training arguments kept in marble_trl.json (what the card and `generate` need from a run's final output_dir).
-EXPORT_CONFIG_FIELDS = [*CARD_CONFIG_FIELDS, "max_sequence_length"]
+EXPORT_CONFIG_FIELDS = [*CARD_CONFIG_FIELDS, "max_sequence_length", "negative_prompt", "num_frames"]
 
 
 @dataclass
@@ -110,7 +110,15 @@ class CardInfo:
     license: str | None = None
     dataset_name: str | None = None
     tags: list[str] = field(default_factory=list)
-    tiny_seed: int | None = None  # the seed of the tiny model (base_model "tiny"), which rebuilds it
+    tiny_seed: int | None = None  # the seed of an offline tiny model (base_model "tiny", "tiny-flux", ...)
+    pipeline_class: str = "StableDiffusion3Pipeline"  # the base model family's diffusers pipeline
+
+
+def is_tiny(name: str | None) -> bool:
+    """Whether ``name`` is one of the offline tiny models (rebuilt from a seed, never on the Hub)."""
+    from .models.tiny import TINY_MODEL_NAMES
+
+    return name in TINY_MODEL_NAMES
 
 
 def read_export_config(folder: str | os.PathLike) -> dict[str, Any]:
@@ -136,6 +144,7 @@ def card_info_from_checkpoint(folder: str | os.PathLike, **overrides) -> CardInf
             training_args=manifest.get("training_args", {}),
             log_history=_log_history(folder),
             balancer_state=json.loads((folder / balancer).read_text(encoding="utf-8")) if balancer else None,
+            pipeline_class=manifest.get("pipeline_class") or "StableDiffusion3Pipeline",
         )
     else:
         names = list(config.get("reward_names") or [])
@@ -149,8 +158,9 @@ def card_info_from_checkpoint(folder: str | os.PathLike, **overrides) -> CardInf
             training_args=args,
             log_history=_log_history(folder),
             weights=config.get("weights") or "raw",
+            pipeline_class=config.get("pipeline_class") or "StableDiffusion3Pipeline",
         )
-    if info.base_model == "tiny":
+    if is_tiny(info.base_model):
         info.tiny_seed = int(config.get("tiny_seed") or 0)
     return override_card(info, overrides)
 
@@ -239,12 +249,14 @@ def sampling_settings(training_args: dict[str, Any]) -> dict[str, Any]:
         "resolution": training_args.get("resolution"),
         "scheduler": training_args.get("sample_scheduler", "pipeline"),
         "max_sequence_length": training_args.get("max_sequence_length"),
+        "negative_prompt": training_args.get("negative_prompt", ""),
+        "num_frames": training_args.get("num_frames"),
     }
 
 
 def hub_base_model(name: str | None) -> str | None:
     """``name`` if it looks like a Hub model id (``org/name``), else ``None`` (local paths, the tiny model)."""
-    if not name or name == "tiny" or name.startswith((".", "/", "~")) or Path(name).expanduser().exists():
+    if not name or is_tiny(name) or name.startswith((".", "/", "~")) or Path(name).expanduser().exists():
         return None
     return name if re.fullmatch(r"[\w.-]+/[\w.-]+", name) else None
 
@@ -275,17 +287,26 @@ def _usage_snippet(info: CardInfo) -> str:
     steps = settings["num_inference_steps"] or 40
     res = settings["resolution"]
     size = f", height={res}, width={res}" if res else ""
-    call = f'image = pipe("a photo of a cat", num_inference_steps={steps}, guidance_scale={_fmt(settings["guidance_scale"])}{size}).images[0]'
-    if base == "tiny":
+    from .models.family import family_of_pipeline_class
+
+    family = family_of_pipeline_class(info.pipeline_class)
+    guidance = "".join(f", {k}={_fmt(v) if isinstance(v, float) else repr(v)}"
+                       for k, v in family.call_kwargs(float(settings["guidance_scale"] or 1.0)).items())  # fmt: skip
+    frames = f", num_frames={settings['num_frames']}" if family.video and settings.get("num_frames") else ""
+    call = f'image = pipe("a photo of a cat", num_inference_steps={steps}{guidance}{size}{frames}).images[0]'
+    if is_tiny(base):
         load = (
-            "from marble_trl import build_tiny_sd3_pipeline\n\n"
-            f"pipe = build_tiny_sd3_pipeline(seed={info.tiny_seed or 0})  # the offline tiny model this LoRA was trained on"
+            "from marble_trl.models import load_model\n\n"
+            f'pipe = load_model("{base}", tiny_seed={info.tiny_seed or 0}).pipeline  # the offline tiny model this '
+            "LoRA was trained on"
         )
     else:
         load = (
-            "import torch\nfrom diffusers import StableDiffusion3Pipeline\n\n"
-            f'pipe = StableDiffusion3Pipeline.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")'
+            f"import torch\nfrom diffusers import {info.pipeline_class}\n\n"
+            f'pipe = {info.pipeline_class}.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")'
         )
+    if family.video:
+        call = call.replace("image = ", "video = ").replace(").images[0]", ").frames[0]  # [frames, H, W, 3]")
     if info.lora_format == "peft":
         attach = (
             "from peft import PeftModel\n\n"
@@ -297,7 +318,7 @@ def _usage_snippet(info: CardInfo) -> str:
 
 
 def _tiny_flag(info: CardInfo) -> str:
-    return f" --tiny_seed {info.tiny_seed}" if info.base_model == "tiny" and info.tiny_seed else ""
+    return f" --tiny_seed {info.tiny_seed}" if is_tiny(info.base_model) and info.tiny_seed else ""
 
 
 def render_model_card(info: CardInfo) -> str:
@@ -427,7 +448,8 @@ def write_export_config(folder: str | os.PathLike, info: CardInfo, source: str |
     path = Path(folder) / EXPORT_CONFIG_FILE
     config = {
         "base_model": info.base_model,
-        **({"tiny_seed": info.tiny_seed or 0} if info.base_model == "tiny" else {}),
+        **({"tiny_seed": info.tiny_seed or 0} if is_tiny(info.base_model) else {}),
+        "pipeline_class": info.pipeline_class,
         "weights": info.weights,
         "format": info.lora_format,
         "global_step": info.global_step,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.balance import make_gradient_engine
 from marble_trl.cli import main
 from marble_trl.data import load_prompt_dataset
+from marble_trl.export import generate_images
 from marble_trl.models import FAMILIES, adapter_for, family_of, load_model
 from marble_trl.nft import add_noise, nft_loss_terms
 from marble_trl.rollout import make_scheduler, training_sigmas
@@ -209,18 +211,33 @@ def test_cli_trains_and_the_lora_loads_with_the_family_pipeline(name, tmp_path):
 
 @pytest.mark.parametrize("name", [n for n in TINY_NAMES if n != "tiny"])  # SD3's: test_publish
 def test_saved_lora_reproduces_the_trainers_samples_in_the_family_pipeline(name, tmp_path):
-    args = tiny_args(tmp_path, max_steps=2, learning_rate=5e-2, lora_target_modules=None)
+    video = family_of(name).video
+    args = tiny_args(tmp_path, max_steps=2, learning_rate=5e-2, lora_target_modules=None,
+                     **({"num_frames": 3} if video else {}))  # fmt: skip
     trainer = MarbleDiffusionNFTTrainer(name, [brightness, contrast], args=args, train_dataset=load_prompt_dataset())
     trainer.train()
-    trainer.save_model(str(tmp_path / "lora"))
+    folder = tmp_path / "lora"
+    trainer.save_model(str(folder))
     ours = trainer.generate(PROMPTS, seed=3)
     base = trainer.generate(PROMPTS, seed=3, use_lora=False)
     assert (ours - base).abs().max() > 1e-4, "vacuous: the LoRA changes nothing"
 
     fresh = load_model(name)
-    fresh.pipeline.load_lora_weights(str(tmp_path / "lora"))  # the family pipeline's own loader
+    fresh.pipeline.load_lora_weights(str(folder))  # the family pipeline's own loader
+    fresh.num_frames = getattr(trainer.model_adapter, "num_frames", None)
     cond = fresh.encode(PROMPTS, args.max_sequence_length, CPU, args.guidance_scale)
     scheduler = make_scheduler(args.sample_scheduler, fresh.pipeline.scheduler)
     latents = fresh.sample(scheduler, cond, args.num_sample_steps, args.resolution, torch.Generator().manual_seed(3),
                            args.guidance_scale)  # fmt: skip
     torch.testing.assert_close(fresh.decode(latents), ours, rtol=1e-4, atol=1e-4)
+
+    # `marble-trl generate`'s path (the sampling settings from marble_trl.json), and the card's snippet.
+    config = json.loads((folder / "marble_trl.json").read_text())
+    assert config["pipeline_class"] == trainer.model_adapter.pipeline_class_name and config["base_model"] == name
+    torch.testing.assert_close(generate_images(name, PROMPTS, folder, seed=3), ours, rtol=1e-4, atol=1e-4)
+    exported = tmp_path / "export"
+    assert main(["export", "--checkpoint", str(folder), "--output", str(exported)]) == 0
+    snippet = re.search(r"```python\n(.*?)```", (exported / "README.md").read_text(), re.S).group(1)
+    scope: dict = {}
+    exec(snippet.replace("path/to/this/folder", str(exported)), scope)
+    assert len(scope["video" if video else "image"]) if video else scope["image"].size == (RESOLUTION, RESOLUTION)

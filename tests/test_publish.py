@@ -141,7 +141,11 @@ def test_model_card_renders_real_values(reference_run, tmp_path):
         card.data.tags
     )
     assert card.data.get("base_model") is None  # the tiny model is no Hub id; the body names it
-    assert "A LoRA for `tiny`" in text and "build_tiny_sd3_pipeline(seed=0)" in text
+    assert (
+        "A LoRA for `tiny`" in text
+        and 'load_model("tiny", tiny_seed=0)' in text
+        and "StableDiffusion3Pipeline" not in text
+    )
     config = json.loads((out / "marble_trl.json").read_text())
     assert config["base_model"] == "tiny" and config["tiny_seed"] == 0  # what --sample_prompts rebuilt it from
     assert [p.name for p in tmp_path.iterdir()] == ["card"]  # the staging folder was renamed, nothing else left

@@ -93,6 +93,11 @@ class DiffusersFlowAdapter:
         """Whether rollouts at ``guidance_scale`` need the negative prompt's conditioning (CFG families only)."""
         return self.guidance == "cfg" and guidance_scale > 1.0
 
+    @classmethod
+    def call_kwargs(cls, guidance_scale: float) -> dict[str, Any]:
+        """The family pipeline's ``__call__`` arguments for the trainer's ``guidance_scale`` (model cards' snippets)."""
+        return {"guidance_scale": guidance_scale}
+
     @staticmethod
     def guided_velocity(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """The family pipeline's CFG combination of the conditional and negative velocities (plain CFG here)."""

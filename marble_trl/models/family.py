@@ -95,6 +95,11 @@ def supported_pipelines() -> str:
     return ", ".join(f.pipeline_class_name for f in FAMILIES)
 
 
+def family_of_pipeline_class(class_name: str) -> type:
+    """The family of a diffusers pipeline class name (SD3's for an unknown one: cards of old runs)."""
+    return next((f for f in FAMILIES if f.pipeline_class_name == class_name), SD3Adapter)
+
+
 def adapter_for(pipeline: Any) -> FlowModelAdapter:
     """The family adapter of a loaded pipeline (an error that names the supported pipelines otherwise)."""
     for family in FAMILIES:

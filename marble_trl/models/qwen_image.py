@@ -70,6 +70,10 @@ class QwenImageAdapter(DiffusersFlowAdapter):
         )
         return QwenImageConditioning(embeds, mask)
 
+    @classmethod
+    def call_kwargs(cls, guidance_scale: float) -> dict:
+        return {"true_cfg_scale": guidance_scale, "negative_prompt": " "} if guidance_scale > 1.0 else {}
+
     @staticmethod
     def guided_velocity(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
         """The pipeline's true CFG: the guided velocity rescaled, token by token, to the conditional one's norm."""

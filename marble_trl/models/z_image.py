@@ -69,6 +69,10 @@ class ZImageAdapter(DiffusersFlowAdapter):
     def latent_factor(self) -> int:
         return self.pipeline.vae_scale_factor * 2
 
+    @classmethod
+    def call_kwargs(cls, guidance_scale: float) -> dict:
+        return {"guidance_scale": max(guidance_scale - 1.0, 0.0)}  # Z-Image's scale is ours minus 1
+
     def timestep_kwargs(self, num_steps: int, resolution: int) -> dict:
         side = resolution // self.latent_factor
         kwargs = flux_timestep_kwargs(self.pipeline.scheduler.config, num_steps, side * side)

@@ -93,6 +93,7 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
         "marble_trl_version": __version__,
         "global_step": trainer.state.global_step,
         "base_model": base_model_name(trainer.pipeline, trainer.model_name_or_path),
+        "pipeline_class": trainer.model_adapter.pipeline_class_name,
         "reward_names": list(trainer.reward_names),
         "reward_weights": [float(w) for w in trainer.reward_weights],
         "aggregation": trainer.aggregation,

@@ -15,6 +15,7 @@ from ..checkpoint import base_model_name
 from ..hub import (
     CardInfo,
     hub_api,
+    is_tiny,
     override_card,
     recorded_prompts,
     write_export_config,
@@ -36,8 +37,9 @@ def card_info_from_trainer(trainer: Trainer, **overrides) -> CardInfo:
         log_history=list(trainer.state.log_history),
         balancer_state=trainer.balancer.state_dict() if trainer.balancer is not None else None,
         repo_id=trainer.hub_model_id or trainer.args.hub_model_id,
+        pipeline_class=trainer.model_adapter.pipeline_class_name,
     )
-    if info.base_model == "tiny":
+    if is_tiny(info.base_model):
         info.tiny_seed = tiny_seed_of(trainer.pipeline)
     return override_card(info, overrides)
 
