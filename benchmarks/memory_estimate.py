@@ -42,7 +42,7 @@ SD35M = dict(
 def lora_config(r: int = 32):
     from peft import LoraConfig
 
-    from marble_trl.nft_config import DEFAULT_LORA_TARGETS
+    from marble_trl.models import DEFAULT_LORA_TARGETS
 
     return LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights="gaussian", target_modules=list(DEFAULT_LORA_TARGETS))
 

@@ -100,10 +100,13 @@ def tracker_callbacks(callbacks: Sequence[Any]) -> list[tuple[str, Any]]:
     return found
 
 
-def log_image(callbacks: Sequence[Any], tag: str, image, step: int, caption: str | None = None) -> list[str]:
+def log_image(
+    callbacks: Sequence[Any], tag: str, image, step: int, caption: str | None = None, video=None
+) -> list[str]:
     """Send a PIL ``image`` to the tracker callbacks (see :func:`tracker_callbacks`) under ``tag`` at optimizer step
     ``step``, with ``caption`` where the tracker shows one (wandb, Trackio; TensorBoard gets it as a text entry
-    ``{tag}/caption``). Returns the kinds of trackers it reached."""
+    ``{tag}/caption``). A ``video`` file (mp4 / gif) goes to wandb and Trackio as well, under ``{tag}/video``
+    (TensorBoard's add_video needs moviepy: it gets the image only). Returns the kinds of trackers it reached."""
     reached = []
     for kind, callback in tracker_callbacks(callbacks):
         if kind == "tensorboard":
@@ -116,10 +119,14 @@ def log_image(callbacks: Sequence[Any], tag: str, image, step: int, caption: str
             writer.flush()
         elif kind == "wandb":
             wandb = callback._wandb
-            wandb.log({tag: wandb.Image(image, caption=caption), "train/global_step": step})
+            media = {f"{tag}/video": wandb.Video(str(video), caption=caption)} if video is not None else {}
+            wandb.log({tag: wandb.Image(image, caption=caption), **media, "train/global_step": step})
         else:  # trackio: the callback logs its scalars with the same step key and trackio's own counter
             trackio = callback._trackio
-            trackio.log({tag: trackio.Image(image, caption=caption), "train/global_step": step})
+            media = {}
+            if video is not None and hasattr(trackio, "Video"):
+                media = {f"{tag}/video": trackio.Video(str(video), caption=caption)}
+            trackio.log({tag: trackio.Image(image, caption=caption), **media, "train/global_step": step})
         reached.append(kind)
     return reached
 

@@ -12,7 +12,7 @@ MAX_LINES = 500
 TRAINER_USERS = {"marble_trl", "marble_trl.nft_trainer", "marble_trl.commands.train", "marble_trl.shapesbench.bench"}
 # Self-registration: the registry imports its built-in reward modules, which import the registry to register.
 ALLOWED_CYCLE_EDGES = {
-    ("marble_trl.rewards.registry", f"marble_trl.rewards.{m}") for m in ("jpeg", "shapes", "simple")
+    ("marble_trl.rewards.registry", f"marble_trl.rewards.{m}") for m in ("jpeg", "shapes", "simple", "video")
 }
 
 

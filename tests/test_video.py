@@ -160,3 +160,25 @@ def test_wan_trains_on_a_lifted_and_a_native_reward_and_writes_video_samples(tmp
     trainer = MarbleDiffusionNFTTrainer("tiny-wan", [brightness], args=tiny_args(tmp_path / "api", num_frames=9),
                                         train_dataset=load_prompt_dataset())  # fmt: skip
     assert trainer.generate(["a red apple"], seed=0).shape == (1, 9, 3, 16, 16)
+
+
+def test_rollout_video_goes_to_wandb(tmp_path, monkeypatch):
+    """A video family's rollout video reaches a real (offline) wandb run as a video file, next to the grid."""
+    wandb = pytest.importorskip("wandb")
+    from transformers.integrations import WandbCallback
+
+    from marble_trl.trackers import log_image
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    callback = WandbCallback()
+    run = wandb.init(project="marble-video-test", dir=str(tmp_path))
+    try:
+        video = write_video(torch.rand(5, 3, 16, 16), tmp_path / "clip")
+        reached = log_image([callback], "train/samples", Image.new("RGB", (8, 8)), 1, caption="c", video=video)
+    finally:
+        run.finish()
+    assert reached == ["wandb"]
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    videos = list((run_dir / "files" / "media" / "videos").rglob("*.mp4"))
+    assert videos and videos[0].stat().st_size > 0

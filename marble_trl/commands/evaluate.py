@@ -14,7 +14,11 @@ def _evaluate_parser() -> argparse.ArgumentParser:
         description="Score a base model and LoRAs / checkpoints on a prompt set: results.md, results.csv, per-model "
         "scores.jsonl (resumable), captioned image grids, comparison.png (models side by side) and rewards.png.",
     )
-    p.add_argument("--model", default="tiny", help="'tiny', a local diffusers SD3/SD3.5 folder or a Hub id.")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="An offline model ('tiny', 'tiny-flux', ...), a local diffusers folder or a Hub id (docs/models.md).",
+    )
     p.add_argument(
         "--lora",
         nargs="*",

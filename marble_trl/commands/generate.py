@@ -10,7 +10,11 @@ from .train import DTYPES
 
 def _generate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="marble-trl generate", description="Images from a base model plus a LoRA.")
-    p.add_argument("--model", default="tiny", help="'tiny', a local diffusers SD3/SD3.5 folder or a Hub id.")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="An offline model ('tiny', 'tiny-flux', ...), a local diffusers folder or a Hub id (docs/models.md).",
+    )
     p.add_argument("--lora", help="A diffusers-format LoRA folder (export output, output_dir, checkpoint-N).")
     p.add_argument("--prompts", nargs="+", required=True, help="One image per prompt.")
     p.add_argument("--output", required=True, help="Folder for 000-<prompt>.png ... and prompts.json.")

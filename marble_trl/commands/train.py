@@ -22,8 +22,9 @@ class MarbleScriptArguments:
     model_name_or_path: str = field(
         default="tiny",
         metadata={
-            "help": "A local diffusers SD3/SD3.5 folder, a Hub id, 'tiny' (offline random tiny model) or 'shapes' (the "
-            "ShapesBench base model shipped in the package)."
+            "help": "A local diffusers folder or a Hub id of a supported family (SD3/3.5, FLUX.1, Wan, Qwen-Image, "
+            "Z-Image: picked from model_index.json), an offline random tiny model ('tiny', 'tiny-flux', 'tiny-wan', "
+            "'tiny-qwen-image', 'tiny-z-image') or 'shapes' (the ShapesBench base model shipped in the package)."
         },
     )
     torch_dtype: str = field(

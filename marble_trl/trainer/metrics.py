@@ -13,6 +13,7 @@ from accelerate.utils import gather_object
 from ..advantages import group_std, group_std_is_zero
 from ..balance import RefreshInfo
 from ..rewards import RewardLogs, finite_numbers
+from ..samples import write_video
 from ..trackers import rollout_grid
 
 
@@ -97,10 +98,12 @@ def cosine_metrics(cosines: list[float], stats: dict, names: list[str], has_sign
 
 
 def save_rollout_grid(images, prompts, rewards, names, groups: torch.Tensor, step: int, output_dir: str):
-    """A captioned grid of rollouts (prompts, per-image rewards) written to ``output_dir/rollouts/step-{N}.png``;
-    returns the grid and its caption."""
+    """A captioned grid of rollouts (prompts, per-image rewards) written to ``output_dir/rollouts/step-{N}.png`` (for
+    videos: their middle frames, and the first video as ``step-{N}.mp4`` or ``.gif``); returns the grid, its caption
+    and the video's path (``None`` for images)."""
     grid, caption = rollout_grid(images, prompts, rewards, names, groups.tolist(), title=f"step {step}: rollouts")
     folder = os.path.join(output_dir, "rollouts")
     os.makedirs(folder, exist_ok=True)
     grid.save(os.path.join(folder, f"step-{step}.png"))
-    return grid, caption
+    video = write_video(images[0], os.path.join(folder, f"step-{step}")) if images.ndim == 5 else None
+    return grid, caption, video

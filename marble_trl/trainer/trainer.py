@@ -490,10 +490,10 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
         every = self.args.log_samples
         step = self.state.global_step + 1  # the optimizer step these rollouts train
         if every and not step % every and self.is_world_process_zero():
-            grid, caption = save_rollout_grid(
+            grid, caption, video = save_rollout_grid(
                 images, prompts, rewards, self.reward_names, groups, step, self.args.output_dir
             )
-            log_image(self.callback_handler.callbacks, "train/samples", grid, step, caption=caption)
+            log_image(self.callback_handler.callbacks, "train/samples", grid, step, caption=caption, video=video)
 
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The trainable LoRA parameters by name."""
