@@ -167,14 +167,18 @@ def slug(text: str, limit: int = 40) -> str:
 
 
 def generate_to_folder(model: str, prompts: list[str], output: str | os.PathLike, **kwargs) -> list[Path]:
-    """:func:`generate_images`, written as ``output/000-<prompt>.png`` ... plus ``output/prompts.json``."""
+    """:func:`generate_images`, written as ``output/000-<prompt>.png`` ... (videos: ``.mp4`` or ``.gif``) plus
+    ``output/prompts.json``."""
     from .rewards.images import to_pil
+    from .samples import write_video
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
     images = generate_images(model, prompts, **kwargs)
     paths = []
-    for i, (image, prompt) in enumerate(zip(to_pil(images), prompts)):
+    if images.ndim == 5:
+        paths = [write_video(v, output / f"{i:03d}-{slug(p)}") for i, (v, p) in enumerate(zip(images, prompts))]
+    for i, (image, prompt) in enumerate(zip(to_pil(images) if images.ndim == 4 else [], prompts)):
         path = output / f"{i:03d}-{slug(prompt)}.png"
         image.save(path)
         paths.append(path)

@@ -157,6 +157,15 @@ def test_wan_trains_on_a_lifted_and_a_native_reward_and_writes_video_samples(tmp
     logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert any("rewards/temporal_consistency/mean" in row for row in logs)
 
+    assert sorted(p.name for p in (out / "rollouts").glob("*.mp4")) == []  # log_samples off by default
+    videos_dir = tmp_path / "generated"
+    argv = ["generate", "--model", "tiny-wan", "--lora", str(out), "--prompts", "a red apple", "--output"]
+    assert main([*argv, str(videos_dir), "--seed", "1"]) == 0
+    assert [p.name for p in videos_dir.glob("*.mp4")] == ["000-a-red-apple.mp4"]
+    import imageio.v3 as iio
+
+    assert iio.imread(videos_dir / "000-a-red-apple.mp4", plugin="FFMPEG").shape == (5, 16, 16, 3)  # marble_trl.json
+
     trainer = MarbleDiffusionNFTTrainer("tiny-wan", [brightness], args=tiny_args(tmp_path / "api", num_frames=9),
                                         train_dataset=load_prompt_dataset())  # fmt: skip
     assert trainer.generate(["a red apple"], seed=0).shape == (1, 9, 3, 16, 16)

@@ -20,6 +20,9 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="Folder for 000-<prompt>.png ... and prompts.json.")
     p.add_argument("--seed", type=int, default=0, help="Seed of the one generator used for the whole batch.")
     p.add_argument("--steps", type=int, help="Sampler steps (default: the LoRA's marble_trl.json, else 28).")
+    p.add_argument(
+        "--num_frames", type=int, help="Frames per video (video families; default: the LoRA's, else the model's)."
+    )
     p.add_argument("--guidance_scale", type=float, help="CFG scale (default: the training setting, else 1.0).")
     p.add_argument("--resolution", type=int, help="Image size (default: the training setting, else the model's).")
     p.add_argument("--scheduler", help="euler, heun, dpm2, pipeline or a diffusers scheduler class name.")
@@ -44,7 +47,9 @@ def generate_command(argv: list[str]) -> list[Path]:
         a.model, a.prompts, a.output, lora=a.lora, seed=a.seed, num_inference_steps=a.steps,
         guidance_scale=a.guidance_scale, resolution=a.resolution, scheduler=a.scheduler,
         max_sequence_length=a.max_sequence_length, weight_name=a.weight_name, tiny_seed=a.tiny_seed,
-        torch_dtype=dtype, device=a.device,
+        torch_dtype=dtype, device=a.device, num_frames=a.num_frames,
     )  # fmt: skip
-    print(f"[marble-trl] wrote {len(paths)} images to {a.output}")
+    print(
+        f"[marble-trl] wrote {len(paths)} {'videos' if paths and paths[0].suffix != '.png' else 'images'} to {a.output}"
+    )
     return paths
