@@ -8,6 +8,7 @@ import logging
 import math
 
 from .advantages import SCALE_REWARDS
+from .balance.weightings import AGGREGATORS
 from .nft import DECAY_TYPES
 from .resume import APPLIED_FIELDS, EXACT_FIELDS
 from .rewards.video import check_frames
@@ -15,7 +16,9 @@ from .sources import normalise_ratios
 
 logger = logging.getLogger("marble_trl.nft_config")  # the config's warnings, under the config's logger name
 
-AGGREGATIONS = ("auto", "marble", "sum_then_normalize", "normalize_then_sum")
+# Every aggregation that balances per-reward gradients through the balancer (MARBLE's machinery: engine, EMA, refresh).
+BALANCER_AGGREGATIONS = ("marble", *AGGREGATORS)
+AGGREGATIONS = ("auto", "sum_then_normalize", "normalize_then_sum", *BALANCER_AGGREGATIONS)
 WEIGHTED_SUM_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # reward_weights enter the advantages
 
 

@@ -49,7 +49,7 @@ def configure_deepspeed(config: dict, args, num_sigmas: int, aggregation: str) -
     backwards = args.gradient_accumulation_steps * num_train_timesteps(num_sigmas, args.timestep_fraction)
     config["gradient_accumulation_steps"] = backwards
     config["train_batch_size"] = args.per_device_train_batch_size * backwards * args.world_size
-    if aggregation == "marble" and args.marble_refresh_update == "gradient":
+    if aggregation not in ("sum_then_normalize", "normalize_then_sum") and args.marble_refresh_update == "gradient":
         logger.warning(
             "DeepSpeed owns the gradients: MARBLE refresh steps use marble_refresh_update='advantage' (one backward "
             "with A_bar; the QP still refreshes the coefficients) instead of writing Eq. 7 into .grad."

@@ -32,6 +32,7 @@ from .artifacts import (
     TRAINER_STATE_FILE,
 )
 from .checkpoint import read_manifest
+from .models.tiny import is_tiny
 
 CARD_TAGS = ["diffusers", "lora", "text-to-image", "trl", "marble", "diffusion-nft"]
 
@@ -112,13 +113,6 @@ class CardInfo:
     tags: list[str] = field(default_factory=list)
     tiny_seed: int | None = None  # the seed of an offline tiny model (base_model "tiny", "tiny-flux", ...)
     pipeline_class: str = "StableDiffusion3Pipeline"  # the base model family's diffusers pipeline
-
-
-def is_tiny(name: str | None) -> bool:
-    """Whether ``name`` is one of the offline tiny models (rebuilt from a seed, never on the Hub)."""
-    from .models.tiny import TINY_MODEL_NAMES
-
-    return name in TINY_MODEL_NAMES
 
 
 def read_export_config(folder: str | os.PathLike) -> dict[str, Any]:
@@ -214,7 +208,9 @@ def reward_summary(info: CardInfo) -> list[dict[str, Any]]:
 
 def coefficient_summary(info: CardInfo, max_rows: int = 8) -> dict[str, Any] | None:
     """MARBLE's coefficients: final alpha_bar, the range of alpha* over refreshes, and a thinned trajectory."""
-    if info.aggregation != "marble":
+    from .config_checks import BALANCER_AGGREGATIONS
+
+    if info.aggregation not in BALANCER_AGGREGATIONS:
         return None
     names = info.reward_names
     k = len(names)

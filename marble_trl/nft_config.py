@@ -221,7 +221,9 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         metadata={
             "help": "How several rewards combine: 'marble' (per-reward gradients + min-norm QP), "
             "'sum_then_normalize' (DiffusionNFT's weighted sum), 'normalize_then_sum' (GDPO), 'auto' (marble "
-            "with several rewards). With one reward every choice is plain DiffusionNFT."
+            "with several rewards), or another Gram weighting on MARBLE's per-reward gradients, with its EMA and "
+            "refresh schedule: 'mgda' (MARBLE's QP without EMA), 'upgrad', 'dualproj', 'pcgrad', 'imtl_g', "
+            "'aligned_mtl', 'cagrad', 'nash_mtl' (docs/marble.md). With one reward every choice is plain DiffusionNFT."
         },
     )
 

@@ -34,6 +34,11 @@ TINY_MODEL_NAMES = (TINY_MODEL_NAME, TINY_FLUX_NAME, TINY_WAN_NAME, TINY_QWEN_IM
 SHAPES_MODEL_NAME = "shapes"
 
 
+def is_tiny(name: str | None) -> bool:
+    """Whether ``name`` is one of the offline tiny models (rebuilt from a seed, never on the Hub)."""
+    return name in TINY_MODEL_NAMES
+
+
 def shapes_model_path() -> Path:
     """The folder of the shipped ``shapes`` model (a ``save_pretrained`` folder)."""
     folder = SHIPPED_WEIGHTS / SHAPES_MODEL_NAME

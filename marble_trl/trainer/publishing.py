@@ -15,13 +15,13 @@ from ..checkpoint import base_model_name
 from ..hub import (
     CardInfo,
     hub_api,
-    is_tiny,
     override_card,
     recorded_prompts,
     write_export_config,
     write_model_card,
 )
 from ..models import tiny_seed_of
+from ..models.tiny import is_tiny
 from ..samples import save_samples
 
 

@@ -96,6 +96,25 @@ def training_rewards(reward_funcs, args, columns) -> tuple[list[RewardFunc], lis
     return funcs, names, torch.tensor(weights, dtype=torch.float32)
 
 
+def make_balancer(aggregation: str, args, reward_names: list[str]):
+    """The balancer of a gradient-space aggregation (``None`` for the advantage-space ones): MARBLE's min-norm QP, or
+    another weighting of ``balance.weightings`` as its solver; ``mgda`` is MARBLE's QP without EMA (rho 0)."""
+    from ..balance import MarbleBalancer
+    from ..balance.weightings import WEIGHTINGS, as_solver
+    from ..config_checks import BALANCER_AGGREGATIONS
+
+    if aggregation not in BALANCER_AGGREGATIONS:
+        return None
+    extra = {} if aggregation in ("marble", "mgda") else {"solver": as_solver(WEIGHTINGS[aggregation]())}
+    return MarbleBalancer(
+        reward_names=reward_names,
+        rho=0.0 if aggregation == "mgda" else args.marble_rho,
+        refresh_interval=args.marble_refresh_interval,
+        uniform_final_steps=args.marble_uniform_final_steps,
+        **extra,
+    )
+
+
 def resolve_aggregation(requested: str, num_rewards: int) -> str:
     """'auto' is MARBLE with several rewards; with one reward every aggregation is plain DiffusionNFT (the reward's
     weight, normalised away, does not scale the advantage)."""

@@ -48,7 +48,6 @@ from transformers import TrainerCallback, set_seed
 
 from .._trl import BaseTrainer
 from ..advantages import collate_advantages
-from ..balance import MarbleBalancer
 from ..best import RewardHackingCallback
 from ..checkpoint import SamplerEpochCallback
 from ..console import order_logs
@@ -90,6 +89,7 @@ from .setup import (
     frozen_components,
     group_sampler,
     lora_config,
+    make_balancer,
     resolve_aggregation,
     training_rewards,
 )
@@ -222,14 +222,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
         self._loss_settings = LossSettings(args.nft_beta, args.beta, args.adv_clip_max, args.marble_refresh_update)
         self.param_ema = LoraEMA(transformer) if args.param_ema else None
         self.old_policy = OldPolicy()
-        self.balancer = None
-        if self.aggregation == "marble":
-            self.balancer = MarbleBalancer(
-                reward_names=self.reward_names,
-                rho=args.marble_rho,
-                refresh_interval=args.marble_refresh_interval,
-                uniform_final_steps=args.marble_uniform_final_steps,
-            )
+        self.balancer = make_balancer(self.aggregation, args, self.reward_names)  # MARBLE's, or another weighting
         self._gradient_engine = None
         self.nonfinite_guard = NonFiniteGuard(self, args.max_nonfinite_skips)
         self.add_callback(self.nonfinite_guard)  # before _AfterOptimizerStep, which reads its verdict
