@@ -12,7 +12,9 @@ rewards are combined differs:
 - ``marble``: MARBLE, N = 10, rho = 0.7 (the paper's setting);
 - ``marble_every_step``: MARBLE solving the QP at every step (N = 1);
 - ``fixed_uniform``: MARBLE with the QP replaced by fixed uniform coefficients (normalised gradients averaged with
-  ``alpha = 1/K`` at refreshes, ``A_bar = mean_k A_k`` in between): the paper's "fixed uniform alpha" ablation.
+  ``alpha = 1/K`` at refreshes, ``A_bar = mean_k A_k`` in between): the paper's "fixed uniform alpha" ablation;
+- ``mgda``, ``upgrad``, ``dualproj``, ``pcgrad``, ``imtl_g``, ``aligned_mtl``, ``cagrad``, ``nash_mtl``: the other Gram
+  weightings of ``balance.weightings`` in MARBLE's place, with its N = 10 and EMA (``mgda``: no EMA).
 
 Every multi-reward method runs with ``log_update_cosines=True`` so that Table S1 has cos(update, g_k) on every step
 (a per-reward gradient pass on every step, which slows them down; MARBLE's refresh steps log ``marble/cos/*``
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from ..balance.weightings import AGGREGATORS
 from .scorers import REWARD_NAMES, SPECIALIST_REWARDS, STRESS_REWARDS
 
 # Stage order of the sequential baseline: specialists first, then the general rewards (a hand-made schedule).
@@ -85,8 +88,19 @@ def all_methods(rewards: tuple[str, ...] = tuple(REWARD_NAMES)) -> dict[str, Met
         Method("marble_plain", rewards, marble, timing_only=True, seed0_only=True),
         Method("marble_every_step", rewards, {"multi_objective_aggregation": "marble", "marble_refresh_interval": 1}),
         Method("fixed_uniform", rewards, {**marble, "log_update_cosines": True}, uniform_solver=True),
+        *(
+            Method(name, rewards, {**marble, "multi_objective_aggregation": name, "log_update_cosines": True})
+            for name in AGGREGATORS
+        ),
         Method("stress_weighted_sum", stress, weighted, stress=True, seed0_only=True),
         Method("stress_marble", stress, {**marble, "log_update_cosines": True}, stress=True, seed0_only=True),
+        Method(
+            "stress_upgrad",
+            stress,
+            {**marble, "multi_objective_aggregation": "upgrad", "log_update_cosines": True},
+            stress=True,
+            seed0_only=True,
+        ),  # fmt: skip
     ]
     return {m.name: m for m in methods}
 

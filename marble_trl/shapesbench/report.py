@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ..balance.weightings import AGGREGATORS
 from ..scores import composite_zscores, markdown_table, mean_sem, write_csv
 from .methods import all_methods
 from .scorers import EVAL_NAMES, REWARD_NAMES, STRESS_REWARDS
@@ -35,6 +36,7 @@ MULTI_REWARD_ORDER = (
     "marble",
     "marble_every_step",
     "fixed_uniform",
+    *AGGREGATORS,
 )
 
 
