@@ -148,7 +148,7 @@ def _torchjd(name: str):
         cls = aggregation.UPGradWeighting if name == "upgrad" else aggregation.DualProjWeighting
         return cls(projector=projector)
     if name == "mgda":
-        return aggregation.MGDAWeighting(epsilon=1e-12, max_iters=100_000)
+        return aggregation.MGDAWeighting(epsilon=1e-9, max_iters=20_000)
     if name == "cagrad":
         pytest.importorskip("cvxpy")
         return aggregation.CAGradWeighting(c=0.5, norm_eps=0.0)
@@ -193,11 +193,11 @@ def test_balancer_refresh_with_a_weighting(name):
 
 @pytest.mark.parametrize("name", AGGREGATORS)
 def test_every_aggregation_trains_through_the_trainer(name, tmp_path):
-    args = tiny_args(tmp_path, max_steps=2, multi_objective_aggregation=name, marble_refresh_interval=1)
+    args = tiny_args(tmp_path, max_steps=1, multi_objective_aggregation=name)
     trainer = MarbleDiffusionNFTTrainer("tiny", [brightness, contrast], args=args, train_dataset=load_prompt_dataset())
     trainer.train()
     logs = [h for h in trainer.state.log_history if "marble/alpha_bar/brightness" in h]
-    assert len(logs) == 2 and trainer.balancer.num_refreshes == 2
+    assert len(logs) == 1 and trainer.balancer.num_refreshes == 1
     a = [logs[-1][f"marble/alpha_bar/{n}"] for n in ("brightness", "contrast")]
     assert all(v >= 0 for v in a) and math.isclose(sum(a), 1.0, abs_tol=1e-9)
     if name == "mgda":  # no EMA: alpha_bar is the last QP solution

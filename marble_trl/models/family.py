@@ -1,8 +1,10 @@
 """The model-family seam: what the trainer, the evaluation and the export need from a flow-matching model.
 
-A family adapter wraps one loaded diffusers pipeline. The trainer talks only to this protocol: it never builds SD3
-embeddings or calls a transformer itself. To add a family (FLUX.1, Qwen-Image, Wan, ...), implement the protocol in
-``models/<family>.py`` and add the class to :data:`FAMILIES` (CONTRIBUTING.md, "Adding a model family").
+A family adapter wraps one loaded diffusers pipeline. The trainer talks only to this protocol: it never builds prompt
+embeddings or calls a transformer itself. The families: SD3 / SD3.5 (``sd3``), FLUX.1 (``flux``), Wan 2.1 / 2.2
+(``wan``, video), Qwen-Image (``qwen_image``), Z-Image (``z_image``). To add one, subclass
+:class:`~marble_trl.models.base.DiffusersFlowAdapter` in ``models/<family>.py`` and add the class to :data:`FAMILIES`
+(docs/adding-a-model-family.md).
 
 The conditioning object returned by :meth:`FlowModelAdapter.encode` is the family's own (SD3: pooled CLIP + the joint
 sequence); the trainer only slices it with ``.index(rows)`` and hands it back.
@@ -61,6 +63,13 @@ class FlowModelAdapter(Protocol):
 
     def timestep_kwargs(self, num_steps: int, resolution: int) -> dict[str, Any]:
         """The family pipeline's extra ``scheduler.set_timesteps`` arguments (custom sigmas, dynamic-shift ``mu``)."""
+
+    def guided_velocity(self, v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float) -> torch.Tensor:
+        """The pipeline's CFG combination (plain CFG, or the family's variant: Qwen-Image rescales)."""
+
+    @classmethod
+    def call_kwargs(cls, guidance_scale: float) -> dict[str, Any]:
+        """The pipeline ``__call__`` arguments that mean the trainer's ``guidance_scale`` (model cards)."""
 
     def encode(
         self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float = 1.0
