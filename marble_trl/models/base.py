@@ -118,11 +118,35 @@ class DiffusersFlowAdapter:
     def _encode(self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float):
         raise NotImplementedError
 
+    def call_for_latents(self, scheduler, **kwargs):
+        """The family pipeline's own ``__call__`` with ``scheduler`` swapped in, ``output_type="latent"`` (the
+        pipeline's scheduler is restored afterwards)."""
+        pipe, original = self.pipeline, self.pipeline.scheduler
+        pipe.scheduler = scheduler
+        try:
+            return pipe(output_type="latent", return_dict=True, **kwargs)
+        finally:
+            pipe.scheduler = original
+
     # ---------------------------------------------------------------------------------------------- LoRA files
     def save_lora(
         self, folder: str | os.PathLike, layers: dict[str, torch.Tensor], metadata: dict | None, weight_name=None
     ) -> None:
         save_diffusers_lora(self.pipeline_class(), folder, layers, metadata, weight_name)
+
+
+def vae_decode(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Latents of a scaling/shift-factor VAE (SD3's, FLUX's) -> images ``[B, 3, H, W]`` in ``[0, 1]`` (float32)."""
+    scaled = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.get("shift_factor", 0.0)
+    return (vae.decode(scaled, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
+
+
+def vae_denormalize(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Latents ``[B, C, F, H, W]`` of a mean/std-normalised VAE (Wan's, Qwen-Image's) back to the VAE's scale."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, vae.dtype)
+    std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, vae.dtype)
+    return latents.to(vae.dtype) * std + mean
 
 
 def save_diffusers_lora(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import DiffusersFlowAdapter, RowConditioning
+from .base import DiffusersFlowAdapter, RowConditioning, vae_decode
 from .loading import seeded_build
 from .tiny import TINY_FLUX_NAME, tiny_clip_text_encoder, tiny_clip_tokenizer, tiny_t5_encoder, tiny_t5_tokenizer
 
@@ -131,23 +131,17 @@ class FluxAdapter(DiffusersFlowAdapter):
     @torch.no_grad()
     def sample(self, scheduler, cond: FluxConditioning, num_steps: int, resolution: int, generator: torch.Generator,
                guidance_scale: float = 1.0, negative: FluxConditioning | None = None) -> torch.Tensor:  # fmt: skip
-        pipe, original = self.pipeline, self.pipeline.scheduler
-        pipe.scheduler = scheduler
-        try:
-            out = pipe(
-                prompt_embeds=cond.prompt_embeds,
-                pooled_prompt_embeds=cond.pooled,
-                guidance_scale=guidance_scale,
-                num_inference_steps=num_steps,
-                height=resolution,
-                width=resolution,
-                generator=generator,
-                output_type="latent",
-                return_dict=True,
-            )
-        finally:
-            pipe.scheduler = original
-        side = resolution // pipe.vae_scale_factor
+        out = self.call_for_latents(
+            scheduler,
+            prompt_embeds=cond.prompt_embeds,
+            pooled_prompt_embeds=cond.pooled,
+            guidance_scale=guidance_scale,
+            num_inference_steps=num_steps,
+            height=resolution,
+            width=resolution,
+            generator=generator,
+        )
+        side = resolution // self.pipeline.vae_scale_factor
         return unpack(out.images, side, side)
 
     @staticmethod
@@ -167,9 +161,7 @@ class FluxAdapter(DiffusersFlowAdapter):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        vae = self.pipeline.vae
-        scaled = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        return (vae.decode(scaled, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
+        return vae_decode(self.pipeline.vae, latents)
 
 
 def build_tiny_flux_pipeline(seed: int = 0, latent_size: int = 16, guidance_embeds: bool = True):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import DiffusersFlowAdapter, RowConditioning
+from .base import DiffusersFlowAdapter, RowConditioning, vae_denormalize
 from .flux import flux_timestep_kwargs, pack, unpack
 from .loading import seeded_build
 from .tiny import TINY_QWEN_IMAGE_NAME
@@ -87,7 +87,6 @@ class QwenImageAdapter(DiffusersFlowAdapter):
     def sample(self, scheduler, cond: QwenImageConditioning, num_steps: int, resolution: int,
                generator: torch.Generator, guidance_scale: float = 1.0,
                negative: QwenImageConditioning | None = None) -> torch.Tensor:  # fmt: skip
-        pipe, original = self.pipeline, self.pipeline.scheduler
         cfg = {}
         if guidance_scale > 1.0:
             if negative is None:
@@ -96,23 +95,18 @@ class QwenImageAdapter(DiffusersFlowAdapter):
             if negative.mask is None:  # the pipeline tells CFG on from a given negative mask
                 cfg["negative_prompt_embeds_mask"] = torch.ones(negative.prompt_embeds.shape[:2], dtype=torch.long,
                                                                 device=negative.prompt_embeds.device)  # fmt: skip
-        pipe.scheduler = scheduler
-        try:
-            out = pipe(
-                prompt_embeds=cond.prompt_embeds,
-                prompt_embeds_mask=cond.mask,
-                true_cfg_scale=guidance_scale,
-                num_inference_steps=num_steps,
-                height=resolution,
-                width=resolution,
-                generator=generator,
-                output_type="latent",
-                return_dict=True,
-                **cfg,
-            )
-        finally:
-            pipe.scheduler = original
-        side = resolution // pipe.vae_scale_factor
+        out = self.call_for_latents(
+            scheduler,
+            prompt_embeds=cond.prompt_embeds,
+            prompt_embeds_mask=cond.mask,
+            true_cfg_scale=guidance_scale,
+            num_inference_steps=num_steps,
+            height=resolution,
+            width=resolution,
+            generator=generator,
+            **cfg,
+        )
+        side = resolution // self.pipeline.vae_scale_factor
         return unpack(out.images, side, side)
 
     @staticmethod
@@ -131,10 +125,7 @@ class QwenImageAdapter(DiffusersFlowAdapter):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipeline.vae
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, vae.dtype)
-        std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, vae.dtype)
-        images = vae.decode(latents[:, :, None].to(vae.dtype) * std + mean, return_dict=False)[0][:, :, 0]
+        images = vae.decode(vae_denormalize(vae, latents[:, :, None]), return_dict=False)[0][:, :, 0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import zero3_init_disabled
-from .base import DiffusersFlowAdapter, save_diffusers_lora
+from .base import DiffusersFlowAdapter, save_diffusers_lora, vae_decode
 from .loading import cast_built, from_pretrained
 from .tiny import SHAPES_MODEL_NAME, TINY_MODEL_NAME, build_tiny_sd3_pipeline, shapes_model_path
 
@@ -118,10 +118,7 @@ def sample_latents(
 @torch.no_grad()
 def decode_latents(pipeline, latents: torch.Tensor) -> torch.Tensor:
     """Clean latents -> images ``[B, 3, H, W]`` in ``[0, 1]`` (float32), the reward input format."""
-    vae = pipeline.vae
-    scaled = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.get("shift_factor", 0.0)
-    images = vae.decode(scaled, return_dict=False)[0]
-    return (images.float() / 2 + 0.5).clamp(0, 1)
+    return vae_decode(pipeline.vae, latents)
 
 
 @zero3_init_disabled()  # frozen components must not be partitioned by ZeRO-3 (marble_trl.distributed)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import DiffusersFlowAdapter, RowConditioning
+from .base import DiffusersFlowAdapter, RowConditioning, vae_denormalize
 from .loading import seeded_build
 from .tiny import TINY_WAN_NAME, tiny_t5_encoder, tiny_t5_tokenizer
 
@@ -74,25 +74,19 @@ class WanAdapter(DiffusersFlowAdapter):
     @torch.no_grad()
     def sample(self, scheduler, cond: WanConditioning, num_steps: int, resolution: int, generator: torch.Generator,
                guidance_scale: float = 1.0, negative: WanConditioning | None = None) -> torch.Tensor:  # fmt: skip
-        pipe, original = self.pipeline, self.pipeline.scheduler
         if guidance_scale > 1.0 and negative is None:
             raise ValueError("guidance_scale > 1 needs the negative prompt's conditioning.")
-        pipe.scheduler = scheduler
-        try:
-            out = pipe(
-                prompt_embeds=cond.prompt_embeds,
-                negative_prompt_embeds=negative.prompt_embeds if guidance_scale > 1.0 else None,
-                guidance_scale=guidance_scale,
-                num_inference_steps=num_steps,
-                height=resolution,
-                width=resolution,
-                num_frames=self.num_frames,
-                generator=generator,
-                output_type="latent",
-                return_dict=True,
-            )
-        finally:
-            pipe.scheduler = original
+        out = self.call_for_latents(
+            scheduler,
+            prompt_embeds=cond.prompt_embeds,
+            negative_prompt_embeds=negative.prompt_embeds if guidance_scale > 1.0 else None,
+            guidance_scale=guidance_scale,
+            num_inference_steps=num_steps,
+            height=resolution,
+            width=resolution,
+            num_frames=self.num_frames,
+            generator=generator,
+        )
         return out.frames
 
     def predict(self, module: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, cond: WanConditioning):
@@ -108,10 +102,7 @@ class WanAdapter(DiffusersFlowAdapter):
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipeline.vae
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, vae.dtype)
-        std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, vae.dtype)
-        video = vae.decode(latents.to(vae.dtype) * std + mean, return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
+        video = vae.decode(vae_denormalize(vae, latents), return_dict=False)[0]  # [B, 3, F, H, W] in [-1, 1]
         return (video.float().permute(0, 2, 1, 3, 4) / 2 + 0.5).clamp(0, 1)
 
 

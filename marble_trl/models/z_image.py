@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .base import DiffusersFlowAdapter
+from .base import DiffusersFlowAdapter, vae_decode
 from .flux import flux_timestep_kwargs
 from .loading import seeded_build
 from .qwen_image import tiny_qwen_tokenizer
@@ -86,26 +86,20 @@ class ZImageAdapter(DiffusersFlowAdapter):
     @torch.no_grad()
     def sample(self, scheduler, cond: ZImageConditioning, num_steps: int, resolution: int, generator: torch.Generator,
                guidance_scale: float = 1.0, negative: ZImageConditioning | None = None) -> torch.Tensor:  # fmt: skip
-        pipe, original = self.pipeline, self.pipeline.scheduler
         cfg: dict = {"guidance_scale": 0.0}
         if guidance_scale > 1.0:
             if negative is None:
                 raise ValueError("guidance_scale > 1 needs the negative prompt's conditioning.")
             cfg = {"guidance_scale": guidance_scale - 1.0, "negative_prompt_embeds": negative.prompt_embeds}
-        pipe.scheduler = scheduler
-        try:
-            out = pipe(
-                prompt_embeds=cond.prompt_embeds,
-                num_inference_steps=num_steps,
-                height=resolution,
-                width=resolution,
-                generator=generator,
-                output_type="latent",
-                return_dict=True,
-                **cfg,
-            )
-        finally:
-            pipe.scheduler = original
+        out = self.call_for_latents(
+            scheduler,
+            prompt_embeds=cond.prompt_embeds,
+            num_inference_steps=num_steps,
+            height=resolution,
+            width=resolution,
+            generator=generator,
+            **cfg,
+        )
         return out.images
 
     @staticmethod
@@ -117,9 +111,7 @@ class ZImageAdapter(DiffusersFlowAdapter):
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        vae = self.pipeline.vae
-        scaled = latents.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        return (vae.decode(scaled, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
+        return vae_decode(self.pipeline.vae, latents)
 
 
 def build_tiny_z_image_pipeline(seed: int = 0):
