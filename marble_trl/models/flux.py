@@ -26,7 +26,15 @@ import torch
 
 from .base import DiffusersFlowAdapter, RowConditioning, vae_decode
 from .loading import seeded_build
-from .tiny import TINY_FLUX_NAME, tiny_clip_text_encoder, tiny_clip_tokenizer, tiny_t5_encoder, tiny_t5_tokenizer
+from .tiny import (
+    TINY_FLUX_NAME,
+    tiny_autoencoder_kl,
+    tiny_clip_text_encoder,
+    tiny_clip_tokenizer,
+    tiny_dynamic_shift_scheduler,
+    tiny_t5_encoder,
+    tiny_t5_tokenizer,
+)
 
 FLUX_LORA_TARGETS = (
     "attn.to_k",
@@ -94,7 +102,20 @@ def flux_timestep_kwargs(scheduler_config, num_steps: int, image_tokens: int) ->
     return kwargs
 
 
-class FluxAdapter(DiffusersFlowAdapter):
+class PackedLatentAdapter(DiffusersFlowAdapter):
+    """What FLUX, Qwen-Image and Z-Image share: 2x2-packed latents (pixels per token: the VAE's factor times 2) and
+    the sigma grid ``linspace(1, 1/N, N)`` with the dynamic shift ``mu`` of the image token count."""
+
+    @property
+    def latent_factor(self) -> int:
+        return self.pipeline.vae_scale_factor * 2  # the VAE's downsampling times the 2x2 packing
+
+    def timestep_kwargs(self, num_steps: int, resolution: int) -> dict:
+        side = resolution // self.latent_factor
+        return flux_timestep_kwargs(self.pipeline.scheduler.config, num_steps, side * side)
+
+
+class FluxAdapter(PackedLatentAdapter):
     """FLUX.1 [dev] / [schnell] behind :class:`~marble_trl.models.family.FlowModelAdapter`."""
 
     family = "flux"
@@ -106,14 +127,6 @@ class FluxAdapter(DiffusersFlowAdapter):
     @classmethod
     def build_tiny(cls, seed: int = 0):
         return build_tiny_flux_pipeline(seed)
-
-    @property
-    def latent_factor(self) -> int:
-        return self.pipeline.vae_scale_factor * 2  # the VAE's downsampling times the 2x2 packing
-
-    def timestep_kwargs(self, num_steps: int, resolution: int) -> dict:
-        side = resolution // self.latent_factor
-        return flux_timestep_kwargs(self.pipeline.scheduler.config, num_steps, side * side)
 
     def _encode(self, prompts, max_sequence_length, device, guidance_scale) -> FluxConditioning:
         embeds, pooled, text_ids = self.pipeline.encode_prompt(
@@ -168,7 +181,7 @@ def build_tiny_flux_pipeline(seed: int = 0, latent_size: int = 16, guidance_embe
     """A random-weight ``FluxPipeline`` from FLUX's own classes (as diffusers' tests build one): one dual- and one
     single-stream block, a 2x VAE with 4 latent channels (images ``2 * latent_size`` square), tiny CLIP and T5.
     ``guidance_embeds=True`` is FLUX.1-dev's layout, ``False`` schnell's."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FluxPipeline, FluxTransformer2DModel
 
     def build():
         transformer = FluxTransformer2DModel(
@@ -183,27 +196,11 @@ def build_tiny_flux_pipeline(seed: int = 0, latent_size: int = 16, guidance_embe
             guidance_embeds=guidance_embeds,
             axes_dims_rope=(4, 4, 8),
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-            block_out_channels=(8, 16),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=2 * latent_size,
-            shift_factor=0.1159,
-            scaling_factor=0.3611,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
+        vae = tiny_autoencoder_kl(4, 2 * latent_size, shift_factor=0.1159, scaling_factor=0.3611)
         return transformer.eval(), vae.eval(), tiny_clip_text_encoder(16), tiny_t5_encoder(32)
 
     transformer, vae, clip, t5 = seeded_build(seed, build)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=16, max_image_seq_len=256
-    )
+    scheduler = tiny_dynamic_shift_scheduler()
     pipe = FluxPipeline(
         scheduler=scheduler,
         vae=vae,

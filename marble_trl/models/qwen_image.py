@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import DiffusersFlowAdapter, RowConditioning, vae_denormalize
-from .flux import flux_timestep_kwargs, pack, unpack
+from .base import RowConditioning, vae_denormalize
+from .flux import PackedLatentAdapter, pack, unpack
 from .loading import seeded_build
-from .tiny import TINY_QWEN_IMAGE_NAME
+from .tiny import TINY_QWEN_IMAGE_NAME, tiny_dynamic_shift_scheduler
 
 QWEN_IMAGE_LORA_TARGETS = ("to_k", "to_q", "to_v", "to_out.0")
 
@@ -37,7 +37,7 @@ class QwenImageConditioning(RowConditioning):
     mask: torch.Tensor | None  # [B, tokens] (1 = a real token), None when no row is padded
 
 
-class QwenImageAdapter(DiffusersFlowAdapter):
+class QwenImageAdapter(PackedLatentAdapter):
     """Qwen-Image behind :class:`~marble_trl.models.family.FlowModelAdapter`."""
 
     family = "qwen-image"
@@ -55,14 +55,6 @@ class QwenImageAdapter(DiffusersFlowAdapter):
     @classmethod
     def build_tiny(cls, seed: int = 0):
         return build_tiny_qwen_image_pipeline(seed)
-
-    @property
-    def latent_factor(self) -> int:
-        return self.pipeline.vae_scale_factor * 2
-
-    def timestep_kwargs(self, num_steps: int, resolution: int) -> dict:
-        side = resolution // self.latent_factor
-        return flux_timestep_kwargs(self.pipeline.scheduler.config, num_steps, side * side)
 
     def _encode(self, prompts, max_sequence_length, device, guidance_scale) -> QwenImageConditioning:
         embeds, mask = self.pipeline.encode_prompt(
@@ -147,12 +139,7 @@ def tiny_qwen_tokenizer():
 def build_tiny_qwen_image_pipeline(seed: int = 0):
     """A random-weight ``QwenImagePipeline`` from Qwen-Image's own classes (as diffusers' tests build one): two
     blocks, a Qwen-Image VAE with 4x compression and 16 latent channels, a tiny Qwen2.5-VL."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tokenizer = tiny_qwen_tokenizer()
@@ -187,9 +174,7 @@ def build_tiny_qwen_image_pipeline(seed: int = 0):
         return transformer.eval(), vae.eval(), Qwen2_5_VLForConditionalGeneration(config).eval()
 
     transformer, vae, text_encoder = seeded_build(seed, build)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=16, max_image_seq_len=256
-    )
+    scheduler = tiny_dynamic_shift_scheduler()
     pipe = QwenImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )

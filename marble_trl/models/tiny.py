@@ -116,6 +116,37 @@ def tiny_clip_text_encoder(hidden: int, projection_dim: int | None = None):
     return (CLIPTextModelWithProjection(cfg) if projection_dim else CLIPTextModel(cfg)).eval()
 
 
+def tiny_autoencoder_kl(latent_channels: int, sample_size: int, shift_factor: float, scaling_factor: float):
+    """A random two-block ``AutoencoderKL`` that downsamples by 2 (SD3's and FLUX's VAE class, without quant convs)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=sample_size,
+        shift_factor=shift_factor,
+        scaling_factor=scaling_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
+def tiny_dynamic_shift_scheduler():
+    """The Euler scheduler with dynamic shifting of the tiny packed-latent models (FLUX, Qwen-Image, Z-Image), its
+    ``mu`` range scaled to their 4-256 image tokens."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=16, max_image_seq_len=256
+    )
+
+
 def _placeholder_t5(d_model: int):
     """A one-layer T5 encoder whose output is exactly zero (its final RMS norm has zero weight) and a T5 tokenizer
     over three special tokens (every word is ``<unk>``): the embeddings SD3 uses when it has no T5, as real
@@ -158,12 +189,7 @@ def build_tiny_sd3_pipeline(
     whose output is exactly zero (the same images; what :func:`save_tiny_sd3_pipeline` saves so that plain
     ``from_pretrained`` loads the folder); by default there is no T5.
     """
-    from diffusers import (
-        AutoencoderKL,
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     inner = hidden_heads * head_dim
     generator_state = torch.random.get_rng_state()
@@ -184,21 +210,7 @@ def build_tiny_sd3_pipeline(
             dual_attention_layers=(0,) if sd35 else (),
             qk_norm="rms_norm" if sd35 else None,
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-            block_out_channels=(8, 16),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=4,
-            sample_size=2 * latent_size,
-            shift_factor=0.0609,
-            scaling_factor=1.5035,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
+        vae = tiny_autoencoder_kl(4, 2 * latent_size, shift_factor=0.0609, scaling_factor=1.5035)
 
         def text_encoder():
             return tiny_clip_text_encoder(text_hidden, projection_dim=inner)

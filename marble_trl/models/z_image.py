@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from .base import DiffusersFlowAdapter, vae_decode
-from .flux import flux_timestep_kwargs
+from .base import vae_decode
+from .flux import PackedLatentAdapter
 from .loading import seeded_build
 from .qwen_image import tiny_qwen_tokenizer
-from .tiny import TINY_Z_IMAGE_NAME
+from .tiny import TINY_Z_IMAGE_NAME, tiny_autoencoder_kl, tiny_dynamic_shift_scheduler
 
 Z_IMAGE_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 
@@ -53,7 +53,7 @@ class ZImageConditioning:
         return ZImageConditioning([self.prompt_embeds[i] for i in rows])
 
 
-class ZImageAdapter(DiffusersFlowAdapter):
+class ZImageAdapter(PackedLatentAdapter):
     """Z-Image / Z-Image-Turbo behind :class:`~marble_trl.models.family.FlowModelAdapter`."""
 
     family = "z-image"
@@ -65,18 +65,15 @@ class ZImageAdapter(DiffusersFlowAdapter):
     def build_tiny(cls, seed: int = 0):
         return build_tiny_z_image_pipeline(seed)
 
-    @property
-    def latent_factor(self) -> int:
-        return self.pipeline.vae_scale_factor * 2
-
     @classmethod
     def call_kwargs(cls, guidance_scale: float) -> dict:
         return {"guidance_scale": max(guidance_scale - 1.0, 0.0)}  # Z-Image's scale is ours minus 1
 
     def timestep_kwargs(self, num_steps: int, resolution: int) -> dict:
-        side = resolution // self.latent_factor
-        kwargs = flux_timestep_kwargs(self.pipeline.scheduler.config, num_steps, side * side)
-        kwargs["sigmas"] = torch.linspace(1.0, 1 / num_steps, num_steps).tolist()  # get_default_z_image_sigmas
+        kwargs = super().timestep_kwargs(num_steps, resolution)
+        kwargs["sigmas"] = torch.linspace(
+            1.0, 1 / num_steps, num_steps
+        ).tolist()  # get_default_z_image_sigmas (float32)
         return kwargs
 
     def _encode(self, prompts, max_sequence_length, device, guidance_scale) -> ZImageConditioning:
@@ -117,7 +114,7 @@ class ZImageAdapter(DiffusersFlowAdapter):
 def build_tiny_z_image_pipeline(seed: int = 0):
     """A random-weight ``ZImagePipeline`` from Z-Image's own classes: two blocks and one refiner block per stream,
     a 2x VAE with 16 latent channels (FLUX's layout), a tiny Qwen3 with a byte-level tokenizer."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
     tokenizer = tiny_qwen_tokenizer()
@@ -137,21 +134,7 @@ def build_tiny_z_image_pipeline(seed: int = 0):
             axes_dims=[4, 6, 6],
             axes_lens=[256, 32, 32],
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-            block_out_channels=(8, 16),
-            layers_per_block=1,
-            latent_channels=16,
-            norm_num_groups=4,
-            sample_size=32,
-            shift_factor=0.1159,
-            scaling_factor=0.3611,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
+        vae = tiny_autoencoder_kl(16, 32, shift_factor=0.1159, scaling_factor=0.3611)  # FLUX's VAE layout
         config = Qwen3Config(
             vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=2, head_dim=8, pad_token_id=tokenizer.pad_token_id,
@@ -160,9 +143,7 @@ def build_tiny_z_image_pipeline(seed: int = 0):
         return transformer.eval(), vae.eval(), Qwen3Model(config).eval()
 
     transformer, vae, text_encoder = seeded_build(seed, build)
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_image_seq_len=16, max_image_seq_len=256
-    )
+    scheduler = tiny_dynamic_shift_scheduler()
     pipe = ZImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer
     )
