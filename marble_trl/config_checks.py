@@ -118,6 +118,19 @@ def check_fields(self) -> None:
         self.marble_refresh_update in ("gradient", "advantage"),
         f"marble_refresh_update must be 'gradient' or 'advantage', got {self.marble_refresh_update!r}.",
     )
+    need(
+        self.marble_refresh_subset >= 0,
+        f"marble_refresh_subset must be >= 0 (0 = exact refreshes on every pair), got {self.marble_refresh_subset}.",
+    )
+    need(
+        self.marble_refresh_subset == 0 or self.marble_refresh_update == "gradient",
+        "marble_refresh_subset > 0 forms the refresh's Eq. 7 update from the solved coefficients: it needs "
+        f"marble_refresh_update='gradient', got {self.marble_refresh_update!r}.",
+    )
+    need(
+        self.marble_amortised_update in ("alpha_bar", "norm_aware"),
+        f"marble_amortised_update must be 'alpha_bar' or 'norm_aware', got {self.marble_amortised_update!r}.",
+    )
     need(self.marble_uniform_final_steps >= 0, "marble_uniform_final_steps must be >= 0.")
     need(
         0 <= self.param_ema_max_decay < 1,

@@ -12,9 +12,11 @@ times ``timestep_fraction``), so one optimizer step is ``GA * T`` backward calls
 - the DeepSpeed config's ``gradient_accumulation_steps`` is set to ``GA * T`` (and ``train_batch_size`` to match), so
   the ZeRO code that counts backward calls per step (gradient partitions, CPU offload accumulation) sees the truth;
 - the gradient of a step lives in DeepSpeed's partitions, not in ``.grad``: MARBLE refresh steps cannot write the
-  hand-made Eq. 7 direction into ``.grad``. They keep the per-reward gradients (``torch.autograd.grad``, which DeepSpeed
-  never sees) for the QP and the EMA, and apply the update in advantage space (``marble_refresh_update='advantage'``,
-  one ordinary DeepSpeed backward with ``A_bar``), with a one-line warning;
+  hand-made Eq. 7 direction into ``.grad``. They are solved first instead (:mod:`marble_trl.trainer.solve_first`):
+  the per-reward gradients of every (micro-batch, timestep) pair (``torch.autograd.grad`` through the unwrapped
+  module, which DeepSpeed never sees), the QP, then the step's ordinary DeepSpeed backward passes with Prop. 1's
+  advantage and scale, whose gradient is Eq. 7's update (``marble_refresh_update='advantage'`` still trains the
+  refresh step on the previous coefficients, as everywhere);
 - ZeRO-3 partitions every parameter of the transformer (the LoRA adapters included): reading or writing the LoRA
   outside a forward (saving, the old-policy update, the parameter EMA) goes through :func:`gathered`.
 """
@@ -40,21 +42,14 @@ def is_deepspeed(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 
 
-def configure_deepspeed(config: dict, args, num_sigmas: int, aggregation: str) -> None:
-    """Adapt the DeepSpeed ``config`` (the plugin's ``deepspeed_config``) and the MARBLE options in ``args`` to the
-    per-timestep backward loop (called in the trainer's ``__init__``, before ``train()`` builds the engine). The
-    refresh-update switch is written into ``args`` so that the run records (and resumes with) what it did."""
+def configure_deepspeed(config: dict, args, num_sigmas: int) -> None:
+    """Adapt the DeepSpeed ``config`` (the plugin's ``deepspeed_config``) to the per-timestep backward loop (called in
+    the trainer's ``__init__``, before ``train()`` builds the engine)."""
     # Creating the Trainer's DeepSpeed config re-registered transformers' global ZeRO-3 flag: off again.
     disable_zero3_init()
     backwards = args.gradient_accumulation_steps * num_train_timesteps(num_sigmas, args.timestep_fraction)
     config["gradient_accumulation_steps"] = backwards
     config["train_batch_size"] = args.per_device_train_batch_size * backwards * args.world_size
-    if aggregation not in ("sum_then_normalize", "normalize_then_sum") and args.marble_refresh_update == "gradient":
-        logger.warning(
-            "DeepSpeed owns the gradients: MARBLE refresh steps use marble_refresh_update='advantage' (one backward "
-            "with A_bar; the QP still refreshes the coefficients) instead of writing Eq. 7 into .grad."
-        )
-        args.marble_refresh_update = "advantage"
 
 
 def backward(accelerator, loss: torch.Tensor, last_of_micro_batch: bool) -> None:

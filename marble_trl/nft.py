@@ -89,9 +89,16 @@ def nft_policy_loss(terms: NFTTerms, r: torch.Tensor, nft_beta: float, adv_clip_
     return adv_clip_max / nft_beta * (r * terms.loss_pos + (1.0 - r) * terms.loss_neg)
 
 
-def nft_loss(terms: NFTTerms, r: torch.Tensor, nft_beta: float, adv_clip_max: float, beta: float) -> torch.Tensor:
-    """The scalar DiffusionNFT loss of one (micro-batch, timestep): policy term plus ``beta`` times the KL."""
+def nft_loss(
+    terms: NFTTerms, r: torch.Tensor, nft_beta: float, adv_clip_max: float, beta: float, policy_scale: float = 1.0
+) -> torch.Tensor:
+    """The scalar DiffusionNFT loss of one (micro-batch, timestep): policy term plus ``beta`` times the KL.
+
+    ``policy_scale`` multiplies the policy term only: MARBLE's Prop. 1 updates ``sum_k c_k g_k`` with ``sum c != 1``
+    are ``sum c`` times the gradient of the policy term with ``A = sum_k (c_k / sum c) A_k``, plus the KL's."""
     loss = nft_policy_loss(terms, r, nft_beta, adv_clip_max).mean()
+    if policy_scale != 1.0:
+        loss = policy_scale * loss
     if beta > 0:
         loss = loss + beta * terms.kl.mean()
     return loss

@@ -245,6 +245,23 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             "with A_bar from the smoothed coefficients; for back-ends that cannot take a hand-written gradient)."
         },
     )
+    marble_refresh_subset: int = field(
+        default=0,
+        metadata={
+            "help": "Estimate a refresh's Gram from this many (micro-batch, timestep) pairs per process, solve it "
+            "before the step's backward passes and form Eq. 7 by Prop. 1 (one ordinary backward): a refresh then "
+            "costs the per-reward pass on the subset only. 0 = the exact refresh on every pair (under DeepSpeed also "
+            "solved first, on every pair). Needs marble_refresh_update='gradient' (docs/marble.md)."
+        },
+    )
+    marble_amortised_update: str = field(
+        default="alpha_bar",
+        metadata={
+            "help": "Coefficients of the steps between refreshes: 'alpha_bar' (the paper: A_bar = sum_k alpha_bar_k "
+            "A_k on un-normalised gradients) or 'norm_aware' (Eq. 7's c_k = alpha_bar_k mean||g|| / ||g_k|| with the "
+            "last refresh's norms, by Prop. 1; beyond the paper)."
+        },
+    )
     marble_uniform_final_steps: int = field(
         default=0, metadata={"help": "Train the last this many steps with uniform coefficients (0 = off)."}
     )

@@ -452,3 +452,81 @@ def test_default_solver_is_injectable() -> None:
     grads[0] = 0
     bal.combine(grads)
     assert calls == [(2, 2)]  # only the rewards with signal reach the QP
+
+
+# ---------------------------------------------------------------- norm-aware amortised steps, solve()
+
+
+def test_solve_gives_the_coefficients_of_combines_update() -> None:
+    grads = make_grads(21, k=4)
+    a, b = MarbleBalancer(4), MarbleBalancer(4)
+    update, info = a.combine(grads.clone())
+    coeffs, info_b = b.solve(grads.clone())
+    torch.testing.assert_close(torch.as_tensor(coeffs) @ grads, update, rtol=1e-12, atol=0)
+    assert info.alpha_star == info_b.alpha_star and a.state_dict() == b.state_dict()
+
+
+def test_norm_aware_amortised_coefficients_are_eq7s_on_the_refresh_gradients() -> None:
+    # With rho = 0 (alpha_bar = alpha*), an amortised step on the refresh's own gradients is the refresh's update.
+    grads = make_grads(5, k=4)
+    bal = MarbleBalancer(4, rho=0.0, amortised="norm_aware")
+    coeffs, _ = bal.solve(grads)
+    signal = torch.ones(4, dtype=torch.bool)
+    np.testing.assert_allclose(bal.amortised_coefficients(1, signal), coeffs, rtol=1e-12)
+    # The paper's amortised steps apply alpha_bar itself, whatever the norms.
+    paper = MarbleBalancer(4, rho=0.0)
+    paper.solve(grads)
+    np.testing.assert_array_equal(paper.amortised_coefficients(1, signal), paper.alpha_bar)
+
+
+def test_norm_aware_coefficients_by_hand_and_their_edge_cases() -> None:
+    bal = MarbleBalancer(3, amortised="norm_aware")
+    signal = torch.tensor([True, True, True])
+    np.testing.assert_array_equal(bal.amortised_coefficients(0, signal), np.full(3, 1 / 3))  # no refresh yet
+    state = bal.state_dict()
+    state["alpha_bar"], state["last_grad_norms"] = [0.5, 0.3, 0.2], [1.0, 4.0, 0.0]  # reward 2: no signal then
+    bal.load_state_dict(state)
+    # mean over the rewards with a gradient at the refresh: 2.5; reward 2 keeps its alpha_bar (ratio 1)
+    np.testing.assert_allclose(bal.amortised_coefficients(1, signal), [0.5 * 2.5, 0.3 * 2.5 / 4, 0.2], rtol=1e-15)
+    # a reward without signal now gets no coefficient, as on a refresh
+    np.testing.assert_allclose(
+        bal.amortised_coefficients(1, torch.tensor([True, False, True])), [1.25, 0.0, 0.2], rtol=1e-15
+    )
+
+
+def test_plan_returns_prop1s_advantage_and_policy_scale() -> None:
+    bal = MarbleBalancer(2, amortised="norm_aware")
+    state = bal.state_dict()
+    state["alpha_bar"], state["last_grad_norms"], state["num_refreshes"] = [0.8, 0.2], [1.0, 4.0], 1
+    bal.load_state_dict(state)
+    per_reward = torch.tensor([[1.0, -1.0, 0.5], [-2.0, 2.0, 0.0]], dtype=torch.float64)
+    c = np.array([0.8 * 2.5, 0.2 * 2.5 / 4])
+    plan = bal.plan(1, per_reward, adv_clip_max=5.0)
+    assert not plan.refresh and plan.policy_scale == pytest.approx(c.sum(), rel=1e-15)
+    torch.testing.assert_close(plan.advantages, torch.as_tensor(c / c.sum()) @ per_reward, rtol=1e-15, atol=0)
+    # nothing with signal: no policy term at all (as a refresh without signal), only the KL would move
+    none = bal.plan(1, torch.zeros(2, 3, dtype=torch.float64), adv_clip_max=5.0)
+    assert none.policy_scale == 0.0 and (none.advantages == 0).all()
+    paper = MarbleBalancer(2).plan(1, per_reward, adv_clip_max=5.0)
+    assert paper.policy_scale == pytest.approx(1.0, rel=1e-15)
+
+
+def test_last_grad_norms_survive_state_dict_and_old_states_load() -> None:
+    bal = MarbleBalancer(3, amortised="norm_aware")
+    grads = make_grads(2, k=3)
+    grads[1] = 0  # no signal: its norm is recorded as 0
+    bal.combine(grads)
+    norms = bal.last_grad_norms
+    assert norms[1] == 0 and norms[0] > 0 and norms[2] > 0
+    state = json.loads(json.dumps(bal.state_dict()))
+    other = MarbleBalancer(3, amortised="norm_aware")
+    other.load_state_dict(state)
+    np.testing.assert_array_equal(other.last_grad_norms, norms)
+    del state["last_grad_norms"]  # a checkpoint written before norm-aware amortisation
+    other.load_state_dict(state)
+    assert other.last_grad_norms is None
+    for bad in ([1.0, 2.0], [1.0, -1.0, 2.0], [1.0, float("nan"), 2.0]):
+        with pytest.raises(ValueError, match="last_grad_norms"):
+            other.load_state_dict({**state, "last_grad_norms": bad})
+    with pytest.raises(ValueError, match="amortised"):
+        MarbleBalancer(2, amortised="normalised")

@@ -50,6 +50,8 @@ INVALID = [
     ("marble_gradient_engine", "fast"),
     ("marble_refresh_update", "both"),
     ("marble_uniform_final_steps", -1),
+    ("marble_refresh_subset", -1),
+    ("marble_amortised_update", "normalised"),
     ("param_ema_max_decay", 1.0),
     ("prompts_per_step", 0),
 ]
@@ -59,6 +61,11 @@ INVALID = [
 def test_invalid_value_raises_naming_the_field(make, field_name, value):
     with pytest.raises(ValueError, match=field_name):
         make(**{field_name: value})
+
+
+def test_refresh_subset_needs_gradient_refreshes(make):
+    with pytest.raises(ValueError, match="marble_refresh_subset > 0 .* needs marble_refresh_update='gradient'"):
+        make(marble_refresh_subset=2, marble_refresh_update="advantage")
 
 
 @pytest.mark.parametrize(

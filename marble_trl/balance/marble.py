@@ -34,6 +34,11 @@ Choices and deviations (all documented where they happen):
   The Gram's rounding limits this norm to about the square root of the cosines' accuracy (~1e-3 for float32 Grams,
   ~1e-7 for float64 ones at moderate P), so near-stationary cosines are noisy anyway.
 - Optional final stage (``uniform_final_steps`` out of ``max_steps``): no refreshes, uniform advantage weights.
+- Amortised steps (beyond the paper, ``amortised="norm_aware"``): the paper applies ``alpha_bar`` to the batch's
+  *un-normalised* gradients, so a reward with a large gradient dominates between refreshes. ``"norm_aware"`` applies
+  Eq. 7's own coefficients ``c_k = alpha_bar_k mean_j ||g_j|| / ||g_k||`` with the last refresh's norms instead: by
+  Prop. 1 that is still one ordinary backward, with ``A = sum_k (c_k / sum c) A_k`` and the NFT policy term scaled
+  by ``sum c`` (:class:`StepWeights`). As on a refresh, rewards without signal this step get ``c_k = 0``.
 - Clamp violations (samples with some ``|A_k| > A_max``: only then is an ``r_k`` clipped, which breaks Prop. 1's
   identity; ``|A_k| = A_max`` is still on the affine piece of ``r``) are only counted (the paper's
   ``pareto_fallback_used``); acting on them is the trainer's business.
@@ -60,6 +65,8 @@ __all__ = ["MarbleBalancer", "RefreshInfo", "StepWeights"]
 # ||sum_k alpha_k gh_k|| at or below this: the rewards are Pareto-stationary to numerical precision (their unit
 # gradients cancel); d_final is then exactly 0 instead of rounding noise, whose cosines would be arbitrary.
 PARETO_STATIONARY_TOL = 1e-6
+
+AMORTISED_MODES = ("alpha_bar", "norm_aware")
 
 _STATE_KEYS = (
     "reward_names",
@@ -109,6 +116,7 @@ class StepWeights:
     refresh: bool  # a refresh step: per-reward gradients, the QP, Eq. 7
     advantages: torch.Tensor  # A_bar = sum_k w_k A_k [N]: the single advantage of the step's ordinary backward
     clamp_violations: int  # samples of this step with some |A_k| > A_max (Prop. 1 inexact for them)
+    policy_scale: float = 1.0  # sum_k c_k: the factor on the NFT policy term (1 for the paper's alpha_bar; not KL)
 
 
 class MarbleBalancer:
@@ -123,6 +131,8 @@ class MarbleBalancer:
             also be assigned later, once the trainer knows it).
         max_steps: total number of optimizer steps.
         solver: ``Mh (float64 [K', K']) -> QPResult``; default ``qp.solve_min_norm``.
+        amortised: ``"alpha_bar"`` (the paper: ``alpha_bar`` on un-normalised gradients) or ``"norm_aware"`` (Eq. 7's
+            coefficients with the last refresh's gradient norms; see the module docstring).
     """
 
     def __init__(
@@ -135,6 +145,7 @@ class MarbleBalancer:
         uniform_final_steps: int = 0,
         max_steps: int | None = None,
         solver: Callable[[np.ndarray], QPResult] = solve_min_norm,
+        amortised: str = "alpha_bar",
     ) -> None:
         if reward_names is None:
             if num_rewards is None:
@@ -149,6 +160,8 @@ class MarbleBalancer:
             raise ValueError(f"rho must be in [0, 1], got {rho}")
         if refresh_interval < 1:
             raise ValueError(f"refresh_interval must be >= 1, got {refresh_interval}")
+        if amortised not in AMORTISED_MODES:
+            raise ValueError(f"amortised must be one of {AMORTISED_MODES}, got {amortised!r}")
         if uniform_final_steps < 0:
             raise ValueError(f"uniform_final_steps must be >= 0, got {uniform_final_steps}")
         if max_steps is not None and uniform_final_steps > max_steps:
@@ -159,6 +172,7 @@ class MarbleBalancer:
         self.uniform_final_steps = int(uniform_final_steps)
         self.max_steps = max_steps
         self.solver = solver
+        self.amortised = amortised
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -175,6 +189,11 @@ class MarbleBalancer:
     def last_alpha_star(self) -> np.ndarray | None:
         """alpha* of the last successful refresh, or None."""
         return None if self._last_alpha_star is None else self._last_alpha_star.copy()
+
+    @property
+    def last_grad_norms(self) -> np.ndarray | None:
+        """``||g_k||`` of the last refresh (0 for rewards without signal then), or None before the first."""
+        return None if self._last_grad_norms is None else self._last_grad_norms.copy()
 
     @property
     def num_refreshes(self) -> int:
@@ -195,6 +214,7 @@ class MarbleBalancer:
         k = self.num_rewards
         self._alpha_bar = np.full(k, 1.0 / k)
         self._last_alpha_star: np.ndarray | None = None
+        self._last_grad_norms: np.ndarray | None = None
         self._num_refreshes = 0
         self._num_qp_fallbacks = 0
         self._num_clamp_violations = 0
@@ -205,6 +225,7 @@ class MarbleBalancer:
             "reward_names": list(self.reward_names),
             "alpha_bar": self._alpha_bar.tolist(),
             "last_alpha_star": None if self._last_alpha_star is None else self._last_alpha_star.tolist(),
+            "last_grad_norms": None if self._last_grad_norms is None else self._last_grad_norms.tolist(),
             "num_refreshes": self._num_refreshes,
             "num_qp_fallbacks": self._num_qp_fallbacks,
             "num_clamp_violations": self._num_clamp_violations,
@@ -220,6 +241,12 @@ class MarbleBalancer:
         star = state["last_alpha_star"]
         self._alpha_bar = alpha_bar
         self._last_alpha_star = None if star is None else self._check_simplex(star, "last_alpha_star")
+        norms = state.get("last_grad_norms")  # absent in checkpoints written before norm-aware amortisation
+        if norms is not None:
+            norms = np.asarray(norms, dtype=np.float64).reshape(-1)
+            if norms.shape != (self.num_rewards,) or not np.isfinite(norms).all() or (norms < 0).any():
+                raise ValueError(f"last_grad_norms must be {self.num_rewards} finite values >= 0, got {norms}")
+        self._last_grad_norms = norms
         self._num_refreshes = int(state["num_refreshes"])
         self._num_qp_fallbacks = int(state["num_qp_fallbacks"])
         self._num_clamp_violations = int(state["num_clamp_violations"])
@@ -262,6 +289,25 @@ class MarbleBalancer:
             w = self._alpha_bar
         return torch.tensor(w, dtype=dtype, device=device)
 
+    def amortised_coefficients(self, step: int | None, has_signal: torch.Tensor | np.ndarray) -> np.ndarray:
+        """The coefficients ``c`` [K] of an amortised step's update ``sum_k c_k g_k`` (float64).
+
+        ``"alpha_bar"`` (the paper): ``c = advantage_weights(step)``, summing to 1, whatever the signal.
+        ``"norm_aware"``: ``c_k = w_k mean_j ||g_j|| / ||g_k||`` with the last refresh's norms (the mean over the
+        rewards with a gradient then; a reward without one then gets ``c_k = w_k``), and ``c_k = 0`` for rewards
+        without signal now (``has_signal`` [K] False), as a refresh does. Before the first refresh: ``w``.
+        """
+        w = self.advantage_weights(step, dtype=torch.float64).numpy()
+        if self.amortised == "alpha_bar" or self._last_grad_norms is None:
+            return w
+        norms = self._last_grad_norms
+        seen = norms > 0
+        ratio = np.ones_like(norms)
+        if seen.any():
+            ratio[seen] = norms[seen].mean() / norms[seen]
+        signal = np.asarray(torch.as_tensor(has_signal).cpu(), dtype=bool)
+        return np.where(signal, w * ratio, 0.0)
+
     # ---------------------------------------------------------------- refresh
     def refresh(self, gram: Any, *, min_sq_norm: float = 0.0) -> tuple[np.ndarray, RefreshInfo]:
         """One refresh from the raw K x K Gram ``M_ij = g_i . g_j`` (torch or numpy, any float dtype).
@@ -291,6 +337,8 @@ class MarbleBalancer:
             alpha_star = np.full(k, np.nan)
             w = self._alpha_bar * active
             alpha_used = w / w.sum() if w.sum() > 0 else active / max(active.sum(), 1)
+        if active.any():
+            self._last_grad_norms = np.where(active, norms, 0.0)
 
         coeffs = np.zeros(k)
         a = alpha_used[active]
@@ -318,19 +366,27 @@ class MarbleBalancer:
         return coeffs, info
 
     @torch.no_grad()
-    def combine(self, grads: torch.Tensor) -> tuple[torch.Tensor, RefreshInfo]:
-        """The full MARBLE procedure on K all-reduced gradient buffers ``grads`` [K, P] (Eqs. 5-7, 12).
-
-        Returns ``(update [P], info)``; ``update`` has the dtype and device of ``grads``; ``info`` is a
-        :class:`RefreshInfo`. Call it on refresh steps (``is_refresh_step``); every call is a refresh.
-        """
+    def solve(self, grads: torch.Tensor) -> tuple[np.ndarray, RefreshInfo]:
+        """One refresh from K all-reduced gradient buffers ``grads`` [K, P] without forming the update: Eq. 7's
+        coefficients ``c`` (``d_final = sum_k c_k g_k``) and the :class:`RefreshInfo` (cosines from the Gram). For
+        callers that form the update by Prop. 1 (``policy_scale = sum c``)."""
         k = self.num_rewards
         if grads.ndim != 2 or grads.shape[0] != k:
             raise ValueError(f"grads must be [{k}, P], got shape {tuple(grads.shape)}")
         work = work_tensor(grads)
         with ieee_fp32_matmul():
             gram = torch.mm(work, work.T)  # the only O(K^2 P) work; accumulates in the buffers' dtype
-        coeffs, info = self.refresh(gram, min_sq_norm=torch.finfo(work.dtype).tiny)
+        return self.refresh(gram, min_sq_norm=torch.finfo(work.dtype).tiny)
+
+    @torch.no_grad()
+    def combine(self, grads: torch.Tensor) -> tuple[torch.Tensor, RefreshInfo]:
+        """The full MARBLE procedure on K all-reduced gradient buffers ``grads`` [K, P] (Eqs. 5-7, 12).
+
+        Returns ``(update [P], info)``; ``update`` has the dtype and device of ``grads``; ``info`` is a
+        :class:`RefreshInfo`. Call it on refresh steps (``is_refresh_step``); every call is a refresh.
+        """
+        coeffs, info = self.solve(grads)
+        work = work_tensor(grads)
         c = torch.as_tensor(coeffs, dtype=work.dtype, device=work.device)
         update = c @ work
         # Cosines of the update actually returned (one extra [K, P] x [P] pass), same code as for baselines.
@@ -340,16 +396,24 @@ class MarbleBalancer:
         return update.to(grads.dtype), info
 
     # ------------------------------------------------------------ the step API
-    def plan(self, step: int, per_reward: torch.Tensor, adv_clip_max: float) -> StepWeights:
-        """Whether 0-based step ``step`` refreshes, and its single advantage ``A_bar = sum_k w_k A_k``
-        (``advantage_weights``) from the per-reward advantages ``per_reward`` [K, N]; counts the clamp violations
-        (samples with some ``|A_k| > adv_clip_max``, the paper's ``pareto_fallback_used``)."""
-        weights = self.advantage_weights(step, dtype=per_reward.dtype)
+    def plan(
+        self, step: int, per_reward: torch.Tensor, adv_clip_max: float, has_signal: torch.Tensor | None = None
+    ) -> StepWeights:
+        """Whether 0-based step ``step`` refreshes, and its single advantage ``A = sum_k (c_k / sum c) A_k`` from the
+        per-reward advantages ``per_reward`` [K, N], with ``c`` of :meth:`amortised_coefficients` and ``sum c`` as
+        ``policy_scale`` (``A_bar = sum_k alpha_bar_k A_k`` and 1 for the paper's ``"alpha_bar"``); counts the clamp
+        violations (samples with some ``|A_k| > adv_clip_max``, the paper's ``pareto_fallback_used``).
+        ``has_signal`` [K]: rewards with a non-zero advantage (default: computed from ``per_reward``)."""
+        if has_signal is None:
+            has_signal = (per_reward != 0).any(dim=1)
+        c = self.amortised_coefficients(step, has_signal)
+        total = float(c.sum())
+        weights = torch.tensor(c / total if total > 0 else c, dtype=per_reward.dtype, device=per_reward.device)
         a_bar = (weights[:, None] * per_reward).sum(dim=0)
         violations = int((per_reward.abs() > adv_clip_max).any(dim=0).sum())
         if violations:
             self.record_clamp_violations(violations)
-        return StepWeights(refresh=self.is_refresh_step(step), advantages=a_bar, clamp_violations=violations)
+        return StepWeights(self.is_refresh_step(step), a_bar, violations, policy_scale=total)
 
     def finish(self, grads: torch.Tensor, has_signal: torch.Tensor) -> tuple[torch.Tensor, RefreshInfo]:
         """A refresh step's update from the all-reduced per-reward gradients [K, P]: the rows of rewards without

@@ -151,7 +151,7 @@ class DeepSpeedBackward(PlainBackward):
         return buffers[-1].float(), buffers[:-1]  # the update's gradient without the KL term: the engine's last row
 
     def apply_update(self, update, params):
-        raise RuntimeError("DeepSpeed owns the gradients: refresh steps use marble_refresh_update='advantage'.")
+        raise RuntimeError("DeepSpeed owns the gradients: its 'gradient' refreshes are solved first (solve_first).")
 
 
 def _engine_scale(settings: LossSettings, scale: float, batch_size: int) -> float:
@@ -185,23 +185,8 @@ def micro_batch_loss(
     total = torch.zeros((), device=device)
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
     for j in range(num_train):
-        t = sigmas[batch.timestep_index[:, j]].to(device)
-        noise = torch.randn(x0.shape, generator=noise_generator).to(device=device, dtype=x0.dtype)
-        x_t = add_noise(x0, noise, t)
-        with torch.no_grad(), autocast():
-            with use_old_policy(transformer):
-                v_old = predict(transformer, x_t, t, batch.embeds).float()
-            v_ref = None
-            if settings.beta > 0:
-                with use_reference(transformer):
-                    v_ref = predict(transformer, x_t, t, batch.embeds).float()
-
-        def forward(module, x_t=x_t, t=t, v_old=v_old, v_ref=v_ref):
-            with autocast():
-                v_theta = predict(module, x_t, t, batch.embeds).float()
-            terms = nft_loss_terms(v_theta, v_old, x_t, x0, t, settings.nft_beta, v_ref)
-            return v_theta, terms, nft_loss(terms, r, settings.nft_beta, settings.adv_clip_max, settings.beta)
-
+        inputs = timestep_inputs(batch, j, x0, sigmas, noise_generator, transformer, predict, settings, autocast)
+        forward = policy_forward(inputs, x0, batch, r, predict, settings, autocast)
         v_theta, terms, loss = backend.timestep(
             model, transformer, forward, engine, batch.plan.mode, settings, r_k, scale, j == num_train - 1
         )
@@ -210,8 +195,48 @@ def micro_batch_loss(
         sums["nft/loss_pos"] += terms.loss_pos.detach().mean()
         sums["nft/loss_neg"] += terms.loss_neg.detach().mean()
         sums["kl"] += terms.kl.detach().mean()
-        sums["nft/policy_deviation"] += ((v_theta.detach() - v_old) ** 2).mean()
+        sums["nft/policy_deviation"] += ((v_theta.detach() - inputs.v_old) ** 2).mean()
     return MicroBatchResult(total, dict(sums))
+
+
+@dataclass(frozen=True)
+class TimestepInputs:
+    """One (micro-batch, timestep)'s noised latents and the gradient-free velocities the NFT loss compares with."""
+
+    x_t: torch.Tensor
+    t: torch.Tensor
+    v_old: torch.Tensor
+    v_ref: torch.Tensor | None
+
+
+def timestep_inputs(batch, j, x0, sigmas, noise_generator, transformer, predict, settings, autocast) -> TimestepInputs:
+    """Training timestep ``j`` of ``batch``: draws its noise from ``noise_generator`` (one draw per timestep, in
+    order), noises ``x0`` and predicts ``v_old`` (old-policy adapter) and, with KL on, ``v_ref`` without gradients."""
+    t = sigmas[batch.timestep_index[:, j]].to(x0.device)
+    noise = torch.randn(x0.shape, generator=noise_generator).to(device=x0.device, dtype=x0.dtype)
+    x_t = add_noise(x0, noise, t)
+    with torch.no_grad(), autocast():
+        with use_old_policy(transformer):
+            v_old = predict(transformer, x_t, t, batch.embeds).float()
+        v_ref = None
+        if settings.beta > 0:
+            with use_reference(transformer):
+                v_ref = predict(transformer, x_t, t, batch.embeds).float()
+    return TimestepInputs(x_t, t, v_old, v_ref)
+
+
+def policy_forward(inputs: TimestepInputs, x0, batch, r, predict, settings: LossSettings, autocast) -> Callable:
+    """``forward(module) -> (v_theta, terms, loss)``: the policy's forward on ``inputs`` and the step's NFT loss (its
+    policy term scaled by the plan's ``policy_scale``)."""
+
+    def forward(module):
+        with autocast():
+            v_theta = predict(module, inputs.x_t, inputs.t, batch.embeds).float()
+        terms = nft_loss_terms(v_theta, inputs.v_old, inputs.x_t, x0, inputs.t, settings.nft_beta, inputs.v_ref)
+        loss = nft_loss(terms, r, settings.nft_beta, settings.adv_clip_max, settings.beta, batch.plan.policy_scale)
+        return v_theta, terms, loss
+
+    return forward
 
 
 def per_reward_engine(
@@ -224,14 +249,14 @@ def per_reward_engine(
     module: torch.nn.Module,
 ) -> GradientEngine:
     """The step's per-reward gradient engine: ``engine``, or a new one of ``kind`` (``marble_gradient_engine``) over
-    the parameters ``trainable()`` returns, built on first use only; its buffers are zeroed at the step's first
-    micro-batch."""
-    if engine is None:
+    the parameters ``trainable()`` returns, built on first use (and again when the row count changes: DeepSpeed's
+    cosine steps have one more); its buffers are zeroed at the step's first micro-batch."""
+    # Under DeepSpeed the update's gradient is not in .grad: the cosine diagnostics get it as one more row.
+    rows = num_rewards + int(deepspeed and batch.plan.mode == "cosines")
+    if engine is None or engine.num_rewards != rows:
         params = list(trainable().values())
-        # Under DeepSpeed the update's gradient is not in .grad: the cosine diagnostics get it as one more row.
-        extra_row = int(deepspeed and batch.plan.mode == "cosines")
         with gathered(params):  # ZeRO-3: the engine sizes its buffers from the full (gathered) parameters
-            engine = make_gradient_engine(kind, params, num_rewards + extra_row, module)
+            engine = make_gradient_engine(kind, params, rows, module)
     if batch.index == 0:
         engine.reset()
     return engine

@@ -111,6 +111,7 @@ def make_balancer(aggregation: str, args, reward_names: list[str]):
         rho=0.0 if aggregation == "mgda" else args.marble_rho,
         refresh_interval=args.marble_refresh_interval,
         uniform_final_steps=args.marble_uniform_final_steps,
+        amortised=args.marble_amortised_update,
         **extra,
     )
 

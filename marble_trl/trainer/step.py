@@ -19,7 +19,7 @@ from accelerate.utils import gather, gather_object
 from ..balance import MarbleBalancer
 from ..models import Conditioning
 
-StepMode = Literal["plain", "cosines", "refresh", "amortised"]
+StepMode = Literal["plain", "cosines", "refresh", "solve_first", "amortised"]
 
 
 def encode_prompts_and_negative(adapter, prompts: list[str], args, device) -> tuple[Conditioning, Conditioning | None]:
@@ -121,13 +121,17 @@ class StepPlan:
 
     - ``"plain"``: one backward of the NFT loss with ``advantages`` (one reward, or a weighted-sum baseline);
     - ``"cosines"``: the same update, plus the K per-reward gradients for the Table S1 diagnostics;
-    - ``"refresh"``: a MARBLE refresh step (per-reward gradients, QP, Eq. 7);
-    - ``"amortised"``: a MARBLE step between refreshes: ``A_bar = sum_k alpha_bar_k A_k`` (Prop. 1).
+    - ``"refresh"``: a MARBLE refresh step (per-reward gradients, QP, Eq. 7 written into ``.grad``);
+    - ``"solve_first"``: a MARBLE refresh whose per-reward gradients come first, from a subset of the step's
+      (micro-batch, timestep) pairs or all of them (:mod:`.solve_first`), and whose Eq. 7 update is then one ordinary
+      backward by Prop. 1; the step continues as ``"plain"`` (or ``"cosines"``) with the solved coefficients;
+    - ``"amortised"``: a MARBLE step between refreshes: ``A = sum_k (c_k / sum c) A_k`` (Prop. 1).
     """
 
     mode: StepMode
     advantages: torch.Tensor  # [N_global]: the single advantage of the step's ordinary backward
     has_signal: torch.Tensor  # [K] bool: some advantage of the reward is non-zero this step
+    policy_scale: float = 1.0  # the factor on the NFT policy term of the ordinary backward (sum_k c_k; not KL)
 
     @property
     def needs_engine(self) -> bool:
@@ -143,19 +147,23 @@ def plan_step(
     *,
     log_update_cosines: bool,
     adv_clip_max: float,
+    solve_first: bool = False,
 ) -> StepPlan:
-    """The step's :class:`StepPlan` from its advantages ([K, N] per reward, [N] combined by the aggregation)."""
+    """The step's :class:`StepPlan` from its advantages ([K, N] per reward, [N] combined by the aggregation);
+    ``solve_first``: refreshes solve before the step's backward passes (``marble_refresh_subset``, DeepSpeed)."""
     # A reward whose advantages are all 0 this step (no spread, or not applicable anywhere) has no signal: its
     # "gradient" would only be that of 0.5 (L_pos + L_neg). MARBLE leaves it out of the QP (zero buffer row); the
     # cosine diagnostics leave it out of the harmony statistics.
     has_signal = (per_reward != 0).any(dim=1)
     if balancer is None:
         return StepPlan("cosines" if log_update_cosines else "plain", combined, has_signal)
-    weights = balancer.plan(step, per_reward, adv_clip_max)
+    weights = balancer.plan(step, per_reward, adv_clip_max, has_signal)
     if weights.refresh:
-        return StepPlan("refresh", weights.advantages, has_signal)
-    # Amortised steps with diagnostics: the same A_bar update, plus the K gradients for cos(update, g_k).
-    return StepPlan("cosines" if log_update_cosines else "amortised", weights.advantages, has_signal)
+        mode = "solve_first" if solve_first else "refresh"  # ("advantage" refreshes train on the pre-refresh c)
+        return StepPlan(mode, weights.advantages, has_signal, weights.policy_scale)
+    # Amortised steps with diagnostics: the same update, plus the K gradients for cos(update, g_k).
+    mode = "cosines" if log_update_cosines else "amortised"
+    return StepPlan(mode, weights.advantages, has_signal, weights.policy_scale)
 
 
 @dataclass

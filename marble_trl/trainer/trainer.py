@@ -23,7 +23,8 @@ The ``transformers.Trainer`` hooks overridden, and why:
 - ``log``: adds the averaged rollout/reward/NFT metrics;
 - ``_send_telemetry``: TRL's reads ``model.config.model_type``, which diffusers models lack;
 - saving, checkpoints, resume, the best model and the Hub: :class:`~.persistence.PersistenceHooks`;
-  ``evaluate`` and ``generate``: :class:`~.evaluate.EvaluationHooks` (both mixed in).
+  ``evaluate`` and ``generate``: :class:`~.evaluate.EvaluationHooks`; the per-reward gradients and MARBLE's
+  refreshes around ``training_step``: :class:`~.balancing.BalancingHooks` (all mixed in).
 
 Rollouts and training share the reference's grid: the training timesteps are the Euler sigma grid of the pipeline's
 shift with ``num_sample_steps`` points, and the default ``dpm2`` rollout solver is the reference's 2nd-order DPM-Solver
@@ -68,17 +69,11 @@ from ..rollout import make_scheduler, training_sigmas
 from ..seeding import keyed_generator
 from ..sources import SOURCE_COLUMN
 from ..trackers import adapt_model_config, log_image
-from .backward import (
-    DeepSpeedBackward,
-    LossSettings,
-    PlainBackward,
-    finish_engine_step,
-    micro_batch_loss,
-    per_reward_engine,
-)
+from .backward import DeepSpeedBackward, LossSettings, PlainBackward, micro_batch_loss
+from .balancing import BalancingHooks
 from .checkpointing import SaveOnSignalCallback
 from .evaluate import EvaluationHooks
-from .metrics import cosine_metrics, flush_reward_logs, marble_metrics, reward_metrics, save_rollout_grid
+from .metrics import flush_reward_logs, reward_metrics, save_rollout_grid
 from .persistence import PersistenceHooks
 from .setup import (
     check_inputs,
@@ -95,7 +90,6 @@ from .setup import (
 )
 from .step import (
     MicroBatch,
-    StepPlan,
     encode_prompts_and_negative,
     gather_rewards,
     global_batch_index,
@@ -119,7 +113,7 @@ class _AfterOptimizerStep(TrainerCallback):
         self.trainer._after_optimizer_step()
 
 
-class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
+class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHooks, BaseTrainer):
     """DiffusionNFT (and, with several rewards, MARBLE) for Stable Diffusion 3 / 3.5 pipelines with LoRA.
 
     Args:
@@ -215,7 +209,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
         self.eval_scheduler = make_scheduler(args.eval_sample_scheduler, self.pipeline.scheduler)
         if self.is_deepspeed_enabled:
             plugin_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
-            configure_deepspeed(plugin_config, args, len(self.train_sigmas), self.aggregation)
+            configure_deepspeed(plugin_config, args, len(self.train_sigmas))
         self._backward = (
             DeepSpeedBackward(self.accelerator) if self.is_deepspeed_enabled else PlainBackward(self.accelerator)
         )
@@ -353,10 +347,12 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
             self.state.global_step,
             log_update_cosines=args.log_update_cosines,
             adv_clip_max=args.adv_clip_max,
+            solve_first=args.marble_refresh_update == "gradient"
+            and (args.marble_refresh_subset > 0 or self.is_deepspeed_enabled),
         )
         if self.balancer is not None:
             self._metrics["marble/clamp_violations"].append(float(self.balancer.num_clamp_violations))
-        return make_micro_batches(
+        self._step_batches = make_micro_batches(  # a solved-first refresh re-plans them all
             x0_all,
             embeds,
             plan,
@@ -369,6 +365,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
             lambda m: self._generator(1, self._global_batch_index(m)),
             device,
         )
+        return self._step_batches
 
     def _encode(self, prompts: list[str]) -> tuple[Conditioning, Conditioning | None]:
         return encode_prompts_and_negative(self.model_adapter, prompts, self.args, self.accelerator.device)
@@ -385,6 +382,8 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
         start = time.perf_counter()
         model.train()
         batch = inputs
+        if batch.plan.mode == "solve_first":
+            self._solve_first(batch)
         engine = self._engine_for(batch)
         num_train = batch.timestep_index.shape[1]
         scale = 1.0 / (num_train * self.current_gradient_accumulation_steps)
@@ -417,44 +416,10 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BaseTrainer):
         self._step_timer["train"] += time.perf_counter() - start
         return total * scale
 
-    def _engine_for(self, batch: MicroBatch):
-        """The per-reward gradient engine on refresh / cosine steps (built on first use), else ``None``."""
-        if batch.plan.needs_engine:
-            self._gradient_engine = per_reward_engine(
-                self._gradient_engine, batch, self.args.marble_gradient_engine, self.trainable_parameters,
-                len(self.reward_funcs), self.is_deepspeed_enabled, self.transformer,
-            )  # fmt: skip
-            return self._gradient_engine
-        return None
-
-    def _finish_engine_step(self, engine, plan: StepPlan) -> None:
-        """After the step's last micro-batch: MARBLE's QP and Eq. 7, or the baseline cosines; logs them."""
-        start = time.perf_counter()
-        result = finish_engine_step(
-            engine,
-            plan.mode,
-            plan.has_signal,
-            self._backward,
-            self.balancer,
-            self._loss_settings.refresh_update,
-            bool(self.nonfinite_guard.reasons),
-            self.reward_names,
-        )
-        if result.skipped is not None:
-            if result.skipped:  # a reason this process's guard has not recorded yet
-                self.nonfinite_guard.flag(result.skipped)
-            return  # the step is skipped: no QP, no coefficient update
-        if result.refresh is not None:
-            self._append_metrics(marble_metrics(result.refresh, self.reward_names, self.balancer.num_refreshes))
-        else:
-            self._append_metrics(
-                cosine_metrics(result.cosines, result.cosine_stats, self.reward_names, plan.has_signal)
-            )
-        self._metrics["time/balancer"].append(time.perf_counter() - start)
-
     def _after_optimizer_step(self) -> None:
         step = self.state.global_step  # optimizer steps completed before this one
         self._metrics["nonfinite/skipped_steps"].append(float(self.nonfinite_guard.skipped))
+        self._undo_refresh_if_skipped(self.nonfinite_guard.skipped)
         if self.nonfinite_guard.skipped:  # nothing moved: neither may the old policy nor the EMA
             self._metrics["time/train"].append(self._step_timer.pop("train", 0.0))
             return

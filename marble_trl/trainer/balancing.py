@@ -1,0 +1,87 @@
+"""The trainer's gradient-space balancing around the timestep loop: the per-reward gradient engine, MARBLE's refreshes
+(exact at the step's end, or solved first: :mod:`.solve_first`) and the cosine diagnostics; mixed into
+:class:`~marble_trl.MarbleDiffusionNFTTrainer`."""
+
+from __future__ import annotations
+
+import time
+
+from .backward import finish_engine_step, per_reward_engine
+from .metrics import cosine_metrics, marble_metrics
+from .solve_first import solve_first_refresh
+from .step import MicroBatch, StepPlan
+
+
+class BalancingHooks:
+    """``_engine_for`` / ``_finish_engine_step`` around a micro-batch's loss, ``_solve_first`` before the step's first
+    one, ``_undo_refresh_if_skipped`` after the optimizer step."""
+
+    def _engine_for(self, batch: MicroBatch):
+        """The per-reward gradient engine on refresh / cosine steps (built on first use), else ``None``."""
+        if batch.plan.needs_engine or batch.plan.mode == "solve_first":
+            self._gradient_engine = per_reward_engine(
+                self._gradient_engine, batch, self.args.marble_gradient_engine, self.trainable_parameters,
+                len(self.reward_funcs), self.is_deepspeed_enabled, self.transformer,
+            )  # fmt: skip
+            return self._gradient_engine
+        return None
+
+    def _solve_first(self, batch: MicroBatch) -> None:
+        """A ``"solve_first"`` refresh (at the step's first micro-batch): the per-reward gradients of the subset, the
+        QP, then every micro-batch of the step re-planned for its Prop. 1 update."""
+        start = time.perf_counter()
+        self._balancer_before_refresh = self.balancer.state_dict()  # a skipped step must not move alpha_bar
+        num_train = batch.timestep_index.shape[1]
+        result = solve_first_refresh(
+            self._step_batches,
+            transformer=self.transformer,
+            predict=self.model_adapter.predict,
+            sigmas=self.train_sigmas,
+            settings=self._loss_settings,
+            engine=self._engine_for(batch),
+            noise_generator=lambda m: self._generator(2, self._global_batch_index(m)),
+            autocast=self._autocast,
+            scale=1.0 / (num_train * self.current_gradient_accumulation_steps),
+            device=self.accelerator.device,
+            subset=self.args.marble_refresh_subset,
+            balancer=self.balancer,
+            world=self.accelerator.num_processes,
+            log_update_cosines=self.args.log_update_cosines,
+        )
+        if result.skipped:
+            self.nonfinite_guard.flag(result.skipped)
+            return
+        self._append_metrics(marble_metrics(result.refresh, self.reward_names, self.balancer.num_refreshes))
+        self._metrics["marble/refresh_pairs"].append(float(result.pairs))
+        self._metrics["time/balancer"].append(time.perf_counter() - start)
+
+    def _finish_engine_step(self, engine, plan: StepPlan) -> None:
+        """After the step's last micro-batch: MARBLE's QP and Eq. 7, or the baseline cosines; logs them."""
+        start = time.perf_counter()
+        result = finish_engine_step(
+            engine,
+            plan.mode,
+            plan.has_signal,
+            self._backward,
+            self.balancer,
+            self._loss_settings.refresh_update,
+            bool(self.nonfinite_guard.reasons),
+            self.reward_names,
+        )
+        if result.skipped is not None:
+            if result.skipped:  # a reason this process's guard has not recorded yet
+                self.nonfinite_guard.flag(result.skipped)
+            return  # the step is skipped: no QP, no coefficient update
+        if result.refresh is not None:
+            self._append_metrics(marble_metrics(result.refresh, self.reward_names, self.balancer.num_refreshes))
+        else:
+            self._append_metrics(
+                cosine_metrics(result.cosines, result.cosine_stats, self.reward_names, plan.has_signal)
+            )
+        self._metrics["time/balancer"].append(time.perf_counter() - start)
+
+    def _undo_refresh_if_skipped(self, skipped: bool) -> None:
+        """A solved-first refresh moved the coefficients before the step's losses: a skipped step takes that back."""
+        state, self._balancer_before_refresh = getattr(self, "_balancer_before_refresh", None), None
+        if skipped and state is not None:
+            self.balancer.load_state_dict(state)
