@@ -4,7 +4,8 @@
   data parallel) gives the LoRA of one process with gradient accumulation;
 - DeepSpeed ZeRO-2 (the shipped config) and ZeRO-3 with every parameter partitioned, one process each
   (`DS_ACCELERATOR=cpu`), give the same LoRA too: one optimizer step per GA x T backward calls, no double loss scaling,
-  MARBLE refresh steps through the advantage-space fallback (warned once), the per-reward gradients outside DeepSpeed,
+  MARBLE's exact Eq. 7 refresh steps (solved first under DeepSpeed: the per-reward gradients outside DeepSpeed, then
+  Eq. 7 by Prop. 1 in DeepSpeed's own backward, against Eq. 7 written into ``.grad`` by the plain run),
   the old-policy update, gradient checkpointing and the saved LoRA on gathered ZeRO-3 parameters.
 
 The DeepSpeed tests skip without deepspeed (`pip install "marble-trl[deepspeed]"`) or a C++ compiler (DeepSpeed
@@ -33,17 +34,19 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny-random.yaml"
 ACCELERATE = ROOT / "recipes" / "accelerate"
 LORA = "pytorch_lora_weights.safetensors"
-# 3 steps: MARBLE refreshes at steps 0 and 2 (per-reward gradients + QP), an amortised step between; the refresh
-# update in advantage space, the one that DeepSpeed can apply (the plain run is told so explicitly).
+# 3 steps: MARBLE refreshes at steps 0 and 2 (per-reward gradients + QP + Eq. 7), an amortised step between.
+# Continuous rewards: the recipe's JPEG size is piecewise constant in the pixels, so the last-bit differences of an
+# all-reduce (vs gradient accumulation) can flip a quantised pixel, change a file size and move a whole step.
 TRAIN_ARGS = [
     "--config",
     str(RECIPE),
+    "--reward_funcs",
+    "brightness",
+    "contrast",
     "--max_steps",
     "3",
     "--marble_refresh_interval",
     "2",
-    "--marble_refresh_update",
-    "advantage",
     "--activation_checkpointing",
     "true",
     "--sample_grid_prompts",
@@ -190,12 +193,11 @@ def _deepspeed_run(config: Path, out: Path, train_args: list[str]) -> subprocess
 @needs_deepspeed
 def test_deepspeed_zero2_matches_plain_run(plain_run, init_lora, tmp_path):
     out = tmp_path / "zero2"
-    # the recipe's default refresh update ('gradient') must fall back to 'advantage' with a one-line warning
-    without_refresh_update = TRAIN_ARGS[:6] + TRAIN_ARGS[8:]
-    proc = _deepspeed_run(ACCELERATE / "deepspeed_zero2.yaml", out, without_refresh_update)
-    assert "DeepSpeed owns the gradients: MARBLE refresh steps use marble_refresh_update='advantage'" in proc.stderr
+    proc = _deepspeed_run(ACCELERATE / "deepspeed_zero2.yaml", out, TRAIN_ARGS)
     args = torch.load(out / "training_args.bin", weights_only=False)
-    assert args.marble_refresh_update == "advantage"
+    assert args.marble_refresh_update == "gradient"  # the paper's Eq. 7, solved first (no fallback any more)
+    refreshes = [s for s in _steps(out) if "marble/refresh_pairs" in s]
+    assert [s["marble/refresh_pairs"] for s in refreshes] == [6.0, 6.0]  # every pair: GA 2 x T 3
     # accelerate reports the DeepSpeed config's accumulation: GA (2) x T (3 timesteps) backward calls per step
     assert "DeepSpeed config has 6" in proc.stderr
     _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
@@ -231,7 +233,7 @@ def test_deepspeed_zero3_partitioned_matches_plain_run(plain_run, init_lora, tmp
         "    return brightness(prompts, images, **columns)\n"
     )
     out = tmp_path / "zero3"
-    rewards = ["--reward_funcs", "zero3_probe:probe", "jpeg_compressibility"]
+    rewards = ["--reward_funcs", "zero3_probe:probe", "contrast"]
     command = _deepspeed_command(tmp_path / "zero3.yaml", out, [*TRAIN_ARGS, *rewards])
     pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     _run(command, _env(PYTHONPATH=pythonpath), out)

@@ -13,6 +13,8 @@ rewards are combined differs:
 - ``marble_every_step``: MARBLE solving the QP at every step (N = 1);
 - ``fixed_uniform``: MARBLE with the QP replaced by fixed uniform coefficients (normalised gradients averaged with
   ``alpha = 1/K`` at refreshes, ``A_bar = mean_k A_k`` in between): the paper's "fixed uniform alpha" ablation;
+- ``marble_norm_aware``, ``marble_estimated``, ``marble_every_step_estimated``: MARBLE with norm-aware amortised
+  steps, with refreshes estimated from one (micro-batch, timestep) pair of five (N = 10), and the latter at N = 1;
 - ``mgda``, ``upgrad``, ``dualproj``, ``pcgrad``, ``imtl_g``, ``aligned_mtl``, ``cagrad``, ``nash_mtl``: the other Gram
   weightings of ``balance.weightings`` in MARBLE's place, with its N = 10 and EMA (``mgda``: no EMA).
 
@@ -88,6 +90,19 @@ def all_methods(rewards: tuple[str, ...] = tuple(REWARD_NAMES)) -> dict[str, Met
         Method("marble_plain", rewards, marble, timing_only=True, seed0_only=True),
         Method("marble_every_step", rewards, {"multi_objective_aggregation": "marble", "marble_refresh_interval": 1}),
         Method("fixed_uniform", rewards, {**marble, "log_update_cosines": True}, uniform_solver=True),
+        # Beyond the paper (docs/marble.md): norm-aware amortised steps, and refreshes estimated from 1 of the
+        # step's 5 (micro-batch, timestep) pairs (N = 10, and N = 1: harmony on every step at a fraction of the cost).
+        Method(
+            "marble_norm_aware",
+            rewards,
+            {**marble, "marble_amortised_update": "norm_aware", "log_update_cosines": True},
+        ),
+        Method("marble_estimated", rewards, {**marble, "marble_refresh_subset": 1, "log_update_cosines": True}),
+        Method(
+            "marble_every_step_estimated",
+            rewards,
+            {**marble, "marble_refresh_interval": 1, "marble_refresh_subset": 1, "log_update_cosines": True},
+        ),
         *(
             Method(name, rewards, {**marble, "multi_objective_aggregation": name, "log_update_cosines": True})
             for name in AGGREGATORS

@@ -36,6 +36,9 @@ MULTI_REWARD_ORDER = (
     "marble",
     "marble_every_step",
     "fixed_uniform",
+    "marble_norm_aware",
+    "marble_estimated",
+    "marble_every_step_estimated",
     *AGGREGATORS,
 )
 
@@ -194,9 +197,11 @@ def _cosine_steps(run: dict[str, Any]) -> list[list[float]]:
     """Per step, the cosines cos(update, g_k) of the rewards with signal in that step."""
     out = []
     for h in run["log_history"]:
-        # A MARBLE refresh step logs marble/cos/* (cos(d_final, g_k)); every other step update_cos/*.
+        # A MARBLE refresh step logs marble/cos/* (cos(d_final, g_k)); every other step update_cos/*. An estimated
+        # refresh logs both: its marble/cos/* are the subset's, its update_cos/* those of the whole step (kept).
+        diagnosed = any("update_cos/" + n in h for n in run["rewards"])
         refresh = any("marble/cos/" + n in h for n in run["rewards"])
-        prefix = "marble/cos/" if refresh else "update_cos/"
+        prefix = "marble/cos/" if refresh and not diagnosed else "update_cos/"
         cos = []
         for name in run["rewards"]:
             key = prefix + name

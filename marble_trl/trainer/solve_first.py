@@ -49,7 +49,7 @@ class SolveFirstResult:
     skipped: str | None = None
 
 
-def solve_first_refresh(
+def subset_gradients(
     batches: list[MicroBatch],
     *,
     transformer: torch.nn.Module,
@@ -62,13 +62,12 @@ def solve_first_refresh(
     scale: float,
     device: torch.device,
     subset: int,
-    balancer: MarbleBalancer,
     world: int,
-    log_update_cosines: bool,
-) -> SolveFirstResult:
-    """Phase 1 on this process's micro-batches of the step (``noise_generator(m)``: micro-batch ``m``'s noise stream,
-    as its ordinary pass gets it), then rewrite every micro-batch's advantages and plan for phase 2 (in place)."""
-    plan = batches[0].plan
+) -> int:
+    """Phase 1's per-reward gradients of ``subset`` pairs of this process's micro-batches of the step, accumulated into
+    ``engine.buffers`` (zeroed first) and all-reduced; ``noise_generator(m)``: micro-batch ``m``'s noise stream, as
+    its ordinary pass gets it. Returns the number of pairs."""
+    engine.reset()
     num_train = batches[0].timestep_index.shape[1]
     counts = subset_pairs(len(batches), num_train, subset)
     pairs = sum(counts)
@@ -87,10 +86,20 @@ def solve_first_refresh(
                 _, terms, _ = policy_forward(inputs, x0, batch, r, predict, settings, autocast)(transformer)
                 engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=weight)
             del terms
-    buffers = engine.buffers
     if world > 1:
-        torch.distributed.all_reduce(buffers)
-        buffers.div_(world)
+        torch.distributed.all_reduce(engine.buffers)
+        engine.buffers.div_(world)
+    return pairs
+
+
+def solve_first_refresh(
+    batches: list[MicroBatch], *, balancer: MarbleBalancer, log_update_cosines: bool, **gradient_kwargs
+) -> SolveFirstResult:
+    """Phase 1 (:func:`subset_gradients` with ``gradient_kwargs``) and the QP, then every micro-batch's advantages and
+    plan rewritten for phase 2, in place."""
+    plan = batches[0].plan
+    pairs = subset_gradients(batches, **gradient_kwargs)
+    buffers = gradient_kwargs["engine"].buffers
     if not torch.isfinite(buffers).all():
         bad = [n for n, row in zip(balancer.reward_names, buffers) if not torch.isfinite(row).all()]
         return SolveFirstResult(None, pairs, f"the per-reward gradients of {bad} are not finite")
