@@ -28,6 +28,14 @@ CONFIGS = {
     "weighted_sum": {"multi_objective_aggregation": "sum_then_normalize"},
     "marble_n10": {"multi_objective_aggregation": "marble", "marble_refresh_interval": 10},
     "marble_n1": {"multi_objective_aggregation": "marble", "marble_refresh_interval": 1},
+    # beyond the paper: norm-aware amortised steps; refreshes estimated from --subset pairs (docs/marble.md)
+    "marble_n10_norm_aware": {
+        "multi_objective_aggregation": "marble",
+        "marble_refresh_interval": 10,
+        "marble_amortised_update": "norm_aware",
+    },
+    "marble_n10_estimated": {"multi_objective_aggregation": "marble", "marble_refresh_interval": 10, "subset": True},
+    "marble_n1_estimated": {"multi_objective_aggregation": "marble", "marble_refresh_interval": 1, "subset": True},
 }
 REWARDS = ["brightness", "contrast", "saturation", "jpeg_compressibility", "darkness"]
 
@@ -72,7 +80,8 @@ def worker(args: argparse.Namespace) -> None:
         seed=0,
         bf16=args.bf16,
         beta=args.beta,
-        **CONFIGS[args.worker],
+        **{k: v for k, v in CONFIGS[args.worker].items() if k != "subset"},
+        **({"marble_refresh_subset": args.subset} if CONFIGS[args.worker].get("subset") else {}),
     )
     trainer = MarbleDiffusionNFTTrainer(
         model, REWARDS[: args.num_rewards], args=config, train_dataset=load_prompt_dataset(), callbacks=[Stamp()]
@@ -113,6 +122,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU)")
     parser.add_argument("--beta", type=float, default=1e-4, help="KL weight (0 drops the KL stream of refreshes)")
+    parser.add_argument("--subset", type=int, default=1, help="marble_refresh_subset of the *_estimated configs")
+    parser.add_argument(
+        "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="weighted_sum is always run"
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -120,9 +133,10 @@ def main() -> None:
     if args.steps % 10:
         parser.error("--steps must be a multiple of 10 so that N=10 sees its share of refreshes")
 
-    results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    names = ["weighted_sum", *(c for c in args.configs if c != "weighted_sum")]
+    results: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(args.rounds):
-        for name in CONFIGS:
+        for name in names:
             cmd = [sys.executable, __file__, "--worker", name, *sys.argv[1:]]
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if out.returncode:
@@ -135,14 +149,14 @@ def main() -> None:
     print(
         f"\nK={args.num_rewards} rewards, {args.rounds} rounds, timed steps {args.steps} after {args.warmup} warm-up"
     )
-    print(f"{'config':>14} | step time (median) | throughput vs weighted sum | peak memory vs weighted sum")
+    print(f"{'config':>22} | step time (median) | throughput vs weighted sum | peak memory vs weighted sum")
     print("-" * 92)
     for name, runs in results.items():
         speed = statistics.median(b["step_time"] / x["step_time"] for b, x in zip(base, runs))
         mem = statistics.median(x["peak"] / b["peak"] for b, x in zip(base, runs))
         step = statistics.median(x["step_time"] for x in runs)
         print(
-            f"{name:>14} | {step * 1000:14.1f} ms | {speed:25.3f}x | {mem:.3f}x ({runs[0]['peak']:.2f} {runs[0]['unit']})"
+            f"{name:>22} | {step * 1000:14.1f} ms | {speed:25.3f}x | {mem:.3f}x ({runs[0]['peak']:.2f} {runs[0]['unit']})"
         )
 
 

@@ -38,6 +38,18 @@ def num_train_timesteps(num_sigmas: int, timestep_fraction: float) -> int:
     return max(1, int(num_sigmas * timestep_fraction))
 
 
+def deepspeed_without_accelerator() -> bool:
+    """Whether ``accelerate launch`` started a multi-process DeepSpeed run on a machine without CUDA
+    (``DS_ACCELERATOR=cpu``): there accelerate chooses no process-group backend unless told one, and then counts
+    every process as the only one (``world_size`` 1, each rank its own main process, DeepSpeed's batch-size check
+    fails), which the config fixes by choosing ``gloo``."""
+    import os
+
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true" or torch.cuda.is_available():
+        return False
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def is_deepspeed(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 

@@ -9,6 +9,7 @@ import torch
 
 from ._trl import BaseConfig
 from .config_checks import check_batching, check_fields
+from .distributed import deepspeed_without_accelerator
 
 
 @dataclass
@@ -384,6 +385,9 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         if best and self.metric_for_best_model is None:
             self.metric_for_best_model = "eval_composite"  # transformers' "loss": this trainer has no eval loss
         check_fields(self)  # marble_trl.config_checks: each error names the field and the fix
+        if self.ddp_backend is None and deepspeed_without_accelerator():
+            # accelerate picks no backend for DeepSpeed on CPU and then counts 1 process: give it gloo.
+            self.ddp_backend = "gloo"
         super().__post_init__()
         check_batching(self)
 

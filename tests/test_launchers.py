@@ -2,11 +2,11 @@
 
 - `marble-trl train --accelerate_config recipes/accelerate/multi_gpu.yaml --num_processes 2` (two gloo processes,
   data parallel) gives the LoRA of one process with gradient accumulation;
-- DeepSpeed ZeRO-2 (the shipped config) and ZeRO-3 with every parameter partitioned, one process each
-  (`DS_ACCELERATOR=cpu`), give the same LoRA too: one optimizer step per GA x T backward calls, no double loss scaling,
-  MARBLE's exact Eq. 7 refresh steps (solved first under DeepSpeed: the per-reward gradients outside DeepSpeed, then
-  Eq. 7 by Prop. 1 in DeepSpeed's own backward, against Eq. 7 written into ``.grad`` by the plain run),
-  the old-policy update, gradient checkpointing and the saved LoRA on gathered ZeRO-3 parameters.
+- DeepSpeed ZeRO-2 (the shipped config) in one process and in two, and ZeRO-3 with every parameter partitioned over
+  two processes (`DS_ACCELERATOR=cpu`, gloo), give the same LoRA too: one optimizer step per GA x T backward calls,
+  no double loss scaling, MARBLE's exact Eq. 7 refresh steps (solved first under DeepSpeed: the per-reward gradients
+  outside DeepSpeed, then Eq. 7 by Prop. 1 in DeepSpeed's own backward, against Eq. 7 written into ``.grad`` by the
+  plain run), the old-policy update, gradient checkpointing and the saved LoRA on gathered ZeRO-3 parameters.
 
 The DeepSpeed tests skip without deepspeed (`pip install "marble-trl[deepspeed]"`) or a C++ compiler (DeepSpeed
 JIT-compiles its CPU communication op on first use, ~1-2 minutes once per machine; later runs reuse the build).
@@ -176,17 +176,19 @@ def test_accelerate_config_wrapper_two_processes_match_one(plain_run, init_lora,
     _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
 
 
-def _deepspeed_command(config: Path, out: Path, train_args: list[str]) -> Callable[[int], list[str]]:
+def _deepspeed_command(
+    config: Path, out: Path, train_args: list[str], processes: int = 1
+) -> Callable[[int], list[str]]:
     def command(port: int) -> list[str]:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
-        cmd += ["--num_processes", "1", "--main_process_port", str(port)]
+        cmd += ["--num_processes", str(processes), "--main_process_port", str(port)]
         return cmd + ["-m", "marble_trl.cli", "train", *train_args, "--output_dir", str(out), "--use_cpu", "false"]
 
     return command
 
 
-def _deepspeed_run(config: Path, out: Path, train_args: list[str]) -> subprocess.CompletedProcess:
-    return _run(_deepspeed_command(config, out, train_args), _env(), out)
+def _deepspeed_run(config: Path, out: Path, train_args: list[str], processes: int = 1) -> subprocess.CompletedProcess:
+    return _run(_deepspeed_command(config, out, train_args, processes), _env(), out)
 
 
 @pytest.mark.slow
@@ -205,8 +207,22 @@ def test_deepspeed_zero2_matches_plain_run(plain_run, init_lora, tmp_path):
 
 @pytest.mark.slow
 @needs_deepspeed
-def test_deepspeed_zero3_partitioned_matches_plain_run(plain_run, init_lora, tmp_path):
-    # every parameter partitioned (the default persistence threshold would keep the tiny model's params whole)
+def test_deepspeed_zero2_two_processes_match_plain_run(plain_run, init_lora, tmp_path):
+    """Two CPU processes under ZeRO-2 (gloo: the config picks it for DeepSpeed without CUDA, where accelerate would
+    pick no backend and count each process as the only one), each holding half of the step's micro-batches."""
+    out = tmp_path / "zero2x2"
+    proc = _deepspeed_run(ACCELERATE / "deepspeed_zero2.yaml", out, TRAIN_ARGS, processes=2)
+    args = torch.load(out / "training_args.bin", weights_only=False)
+    assert args.world_size == 2 and args.gradient_accumulation_steps == 1 and args.ddp_backend == "gloo"
+    assert "DeepSpeed config has 3" in proc.stderr  # GA 1 x T 3 backward calls per step and process
+    _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_zero3_partitioned_over_two_processes_matches_plain_run(plain_run, init_lora, tmp_path):
+    # every parameter partitioned over the two ranks (the default persistence threshold would keep the tiny model's
+    # params whole)
     ds_config = {
         "train_batch_size": "auto",
         "train_micro_batch_size_per_gpu": "auto",
@@ -234,7 +250,7 @@ def test_deepspeed_zero3_partitioned_matches_plain_run(plain_run, init_lora, tmp
     )
     out = tmp_path / "zero3"
     rewards = ["--reward_funcs", "zero3_probe:probe", "contrast"]
-    command = _deepspeed_command(tmp_path / "zero3.yaml", out, [*TRAIN_ARGS, *rewards])
+    command = _deepspeed_command(tmp_path / "zero3.yaml", out, [*TRAIN_ARGS, *rewards], processes=2)
     pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     _run(command, _env(PYTHONPATH=pythonpath), out)
     _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
