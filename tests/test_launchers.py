@@ -1,7 +1,8 @@
 """The tiny recipe under real launchers on CPU, against the same recipe in one plain process (same global batch):
 
 - `marble-trl train --accelerate_config recipes/accelerate/multi_gpu.yaml --num_processes 2` (two gloo processes,
-  data parallel) gives the LoRA of one process with gradient accumulation;
+  data parallel) gives the LoRA of one process with gradient accumulation, and so does the multi-node template run as
+  two machines of one process each on 127.0.0.1;
 - DeepSpeed ZeRO-2 (the shipped config) in one process and in two, and ZeRO-3 with every parameter partitioned over
   two processes (`DS_ACCELERATOR=cpu`, gloo), give the same LoRA too: one optimizer step per GA x T backward calls,
   no double loss scaling, MARBLE's exact Eq. 7 refresh steps (solved first under DeepSpeed: the per-reward gradients
@@ -173,6 +174,39 @@ def test_accelerate_config_wrapper_two_processes_match_one(plain_run, init_lora,
     assert summary["global_step"] == 3
     args = torch.load(out / "training_args.bin", weights_only=False)
     assert args.gradient_accumulation_steps == 1  # 2 processes x 8 images: the recipe's 16 images per step
+    _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_multi_node_config_two_machines_on_one_host_match_one(plain_run, init_lora, tmp_path):
+    """The shipped multi-node template as 2 machines x 1 process, both on 127.0.0.1 (static rendezvous, gloo)."""
+    out = tmp_path / "nodes"
+    env = _env(ACCELERATE_USE_CPU="true")
+
+    def launch(port: int, rank: int) -> subprocess.Popen:
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ACCELERATE / "multi_node.yaml"),
+        ]
+        cmd += ["--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank)]
+        cmd += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
+        cmd += ["-m", "marble_trl.cli", "train", *TRAIN_ARGS, "--output_dir", str(out)]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    for attempt in range(3):
+        port = _free_port()
+        nodes = [launch(port, rank) for rank in (0, 1)]
+        logs = [node.communicate(timeout=900) for node in nodes]
+        codes = [node.returncode for node in nodes]
+        if codes == [0, 0] or not any(_PORT_TAKEN.search(err) for _, err in logs) or attempt == 2:
+            break
+        shutil.rmtree(out, ignore_errors=True)
+    assert codes == [0, 0], "\n".join(err[-3000:] for _, err in logs)
+    args = torch.load(out / "training_args.bin", weights_only=False)
+    assert args.world_size == 2 and args.gradient_accumulation_steps == 1
     _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
 
 
