@@ -186,6 +186,19 @@ class OldPolicy:
                 if exact is not target:
                     target.copy_(exact)
 
+    def load_master(self, path, old: dict[str, nn.Parameter]) -> None:
+        """After a resume: the old adapter's float32 values from its checkpoint file become the master copy when the
+        adapter itself is not float32 (DeepSpeed bf16 / fp16); else there is none (the adapter is the truth)."""
+        self.master = None
+        if all(p.dtype == torch.float32 for p in old.values()):
+            return
+        from safetensors.torch import load_file
+
+        from .artifacts import lora_key
+
+        state = load_file(str(path))
+        self.master = {name: state[lora_key(name, OLD_ADAPTER)].float().to(p.device) for name, p in old.items()}
+
     def master_state(self) -> dict[str, torch.Tensor] | None:
         """The float32 master copy of the old adapter by parameter name, or None when the adapter itself is float32."""
         return None if self.master is None else {name: t.detach().cpu().clone() for name, t in self.master.items()}

@@ -7,7 +7,8 @@
   two processes (`DS_ACCELERATOR=cpu`, gloo), give the same LoRA too: one optimizer step per GA x T backward calls,
   no double loss scaling, MARBLE's exact Eq. 7 refresh steps (solved first under DeepSpeed: the per-reward gradients
   outside DeepSpeed, then Eq. 7 by Prop. 1 in DeepSpeed's own backward, against Eq. 7 written into ``.grad`` by the
-  plain run), the old-policy update, gradient checkpointing and the saved LoRA on gathered ZeRO-3 parameters.
+  plain run), the old-policy update, gradient checkpointing and the saved LoRA on gathered ZeRO-3 parameters; and the
+  two-process ZeRO-2 and ZeRO-3 runs resumed from their first checkpoint end bit for bit where they ended.
 
 The DeepSpeed tests skip without deepspeed (`pip install "marble-trl[deepspeed]"`) or a C++ compiler (DeepSpeed
 JIT-compiles its CPU communication op on first use, ~1-2 minutes once per machine; later runs reuse the build).
@@ -225,6 +226,25 @@ def _deepspeed_run(config: Path, out: Path, train_args: list[str], processes: in
     return _run(_deepspeed_command(config, out, train_args, processes), _env(), out)
 
 
+SAVE_EACH_STEP = ["--save_strategy", "steps", "--save_steps", "1"]
+
+
+def _assert_exact_resume(command: Callable[[int], list[str]], out: Path, env: dict[str, str]) -> None:
+    """Resume ``command``'s finished run (saved at every step) from checkpoint-1: steps 2 (amortised: the restored
+    alpha_bar) and 3 (a refresh) again, from DeepSpeed's engine checkpoint plus the old policy, the balancer and the
+    data position; the final LoRA must be the uninterrupted run's, bit for bit."""
+    full = load_file(str(out / LORA))
+    (out / LORA).unlink()
+    resumed = lambda port: [*command(port), "--resume_from_checkpoint", str(out / "checkpoint-1")]  # noqa: E731
+    _run(resumed, env, out)
+    again = load_file(str(out / LORA))
+    assert full.keys() == again.keys()
+    for name in full:
+        assert torch.equal(again[name], full[name]), name
+    steps = [s["step"] for s in _steps(out)]
+    assert steps == [1, 2, 3, 2, 3]  # the log history: the first run's 3 steps, then the resumed 2 and 3
+
+
 @pytest.mark.slow
 @needs_deepspeed
 def test_deepspeed_zero2_matches_plain_run(plain_run, init_lora, tmp_path):
@@ -245,11 +265,13 @@ def test_deepspeed_zero2_two_processes_match_plain_run(plain_run, init_lora, tmp
     """Two CPU processes under ZeRO-2 (gloo: the config picks it for DeepSpeed without CUDA, where accelerate would
     pick no backend and count each process as the only one), each holding half of the step's micro-batches."""
     out = tmp_path / "zero2x2"
-    proc = _deepspeed_run(ACCELERATE / "deepspeed_zero2.yaml", out, TRAIN_ARGS, processes=2)
+    command = _deepspeed_command(ACCELERATE / "deepspeed_zero2.yaml", out, [*TRAIN_ARGS, *SAVE_EACH_STEP], 2)
+    proc = _run(command, _env(), out)
     args = torch.load(out / "training_args.bin", weights_only=False)
     assert args.world_size == 2 and args.gradient_accumulation_steps == 1 and args.ddp_backend == "gloo"
     assert "DeepSpeed config has 3" in proc.stderr  # GA 1 x T 3 backward calls per step and process
     _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
+    _assert_exact_resume(command, out, _env())
 
 
 @pytest.mark.slow
@@ -284,10 +306,11 @@ def test_deepspeed_zero3_partitioned_over_two_processes_matches_plain_run(plain_
     )
     out = tmp_path / "zero3"
     rewards = ["--reward_funcs", "zero3_probe:probe", "contrast"]
-    command = _deepspeed_command(tmp_path / "zero3.yaml", out, [*TRAIN_ARGS, *rewards], processes=2)
-    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    _run(command, _env(PYTHONPATH=pythonpath), out)
+    command = _deepspeed_command(tmp_path / "zero3.yaml", out, [*TRAIN_ARGS, *rewards, *SAVE_EACH_STEP], processes=2)
+    env = _env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    _run(command, env, out)
     _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
+    _assert_exact_resume(command, out, env)
 
 
 def test_gradient_checkpointing_reaches_the_diffusers_transformer(tmp_path):

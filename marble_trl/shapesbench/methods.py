@@ -13,8 +13,9 @@ rewards are combined differs:
 - ``marble_every_step``: MARBLE solving the QP at every step (N = 1);
 - ``fixed_uniform``: MARBLE with the QP replaced by fixed uniform coefficients (normalised gradients averaged with
   ``alpha = 1/K`` at refreshes, ``A_bar = mean_k A_k`` in between): the paper's "fixed uniform alpha" ablation;
-- ``marble_norm_aware``, ``marble_estimated``, ``marble_every_step_estimated``: MARBLE with norm-aware amortised
-  steps, with refreshes estimated from one (micro-batch, timestep) pair of five (N = 10), and the latter at N = 1;
+- ``marble_norm_aware``, ``marble_estimated``, ``marble_every_step_estimated`` (``_s3``): MARBLE with norm-aware
+  amortised steps, with refreshes estimated from one (micro-batch, timestep) pair of five (N = 10), and the latter at
+  N = 1 (from three pairs of five);
 - ``mgda``, ``upgrad``, ``dualproj``, ``pcgrad``, ``imtl_g``, ``aligned_mtl``, ``cagrad``, ``nash_mtl``: the other Gram
   weightings of ``balance.weightings`` in MARBLE's place, with its N = 10 and EMA (``mgda``: no EMA).
 
@@ -98,10 +99,13 @@ def all_methods(rewards: tuple[str, ...] = tuple(REWARD_NAMES)) -> dict[str, Met
             {**marble, "marble_amortised_update": "norm_aware", "log_update_cosines": True},
         ),
         Method("marble_estimated", rewards, {**marble, "marble_refresh_subset": 1, "log_update_cosines": True}),
-        Method(
-            "marble_every_step_estimated",
-            rewards,
-            {**marble, "marble_refresh_interval": 1, "marble_refresh_subset": 1, "log_update_cosines": True},
+        *(
+            Method(
+                "marble_every_step_estimated" + ("" if subset == 1 else f"_s{subset}"),
+                rewards,
+                {**marble, "marble_refresh_interval": 1, "marble_refresh_subset": subset, "log_update_cosines": True},
+            )
+            for subset in (1, 3)
         ),
         *(
             Method(name, rewards, {**marble, "multi_objective_aggregation": name, "log_update_cosines": True})

@@ -39,6 +39,7 @@ MULTI_REWARD_ORDER = (
     "marble_norm_aware",
     "marble_estimated",
     "marble_every_step_estimated",
+    "marble_every_step_estimated_s3",
     *AGGREGATORS,
 )
 

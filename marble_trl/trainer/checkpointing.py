@@ -48,7 +48,7 @@ from ..checkpoint import (
 )
 from ..distributed import gathered
 from ..guards import non_finite_tensors
-from ..lora import OLD_ADAPTER, TRAIN_ADAPTER, master_weights
+from ..lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters, master_weights
 from ..output_dir import OutputDirLock, check_not_overwriting
 from ..resume import APPLIED_FIELDS, DATASET_KEY, EXACT_FIELDS, FROZEN_FIELDS, dataset_fingerprint, resolve_resume
 
@@ -65,6 +65,8 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
 
     ``folder`` already holds the trained LoRA (``_save``) and the Trainer's files. Main process only.
     """
+    with gathered(lora_parameters(trainer.transformer, OLD_ADAPTER).values()):  # ZeRO-3: every process gathers
+        old = adapter_state(trainer.transformer, OLD_ADAPTER)
     if not trainer.args.should_save:
         return
     folder = Path(folder)
@@ -75,7 +77,6 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
         "param_ema": None,
         "balancer": None,
     }
-    old = adapter_state(trainer.transformer, OLD_ADAPTER)
     master = trainer.old_policy.master_state()  # DeepSpeed bf16: the float32 weights, not the rounded adapter
     if master is not None:
         old = {lora_key(n, OLD_ADAPTER): t.contiguous() for n, t in master.items()}
@@ -105,10 +106,13 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     write_json(folder / MANIFEST_FILE, manifest)  # last: its presence marks a complete marble_trl checkpoint
 
 
-def load_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
+def load_training_state(trainer: Trainer, folder: str | os.PathLike, engine_restored: bool = False) -> None:
     """Restore the trained and old-policy adapters, the parameter EMA and the balancer from a checkpoint folder.
 
     The Trainer restores the rest itself (optimizer, scheduler, RNG states, global step, data position).
+    ``engine_restored``: DeepSpeed's engine checkpoint has already restored the trained adapter with its optimizer
+    partitions (writing it again would leave ZeRO's own float32 copy behind); only the rest is loaded, on every
+    process (ZeRO-3 gathers the old adapter, and rank 0's copy is partitioned back).
     """
     folder = Path(folder)
     manifest = read_manifest(folder)
@@ -125,9 +129,13 @@ def load_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     check_resume_config(trainer, manifest, folder)
     files = manifest["files"]
     transformer = trainer.transformer
-    load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
-    load_adapter_state(transformer, OLD_ADAPTER, folder / files["old_policy"])
-    trainer.old_policy.reset()  # the adapter (float32 outside DeepSpeed, where resuming is refused) is the truth
+    if not engine_restored:
+        load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
+    old = lora_parameters(transformer, OLD_ADAPTER)
+    with gathered(old.values(), modifier_rank=0), torch.no_grad():
+        load_adapter_state(transformer, OLD_ADAPTER, folder / files["old_policy"])
+    # The old adapter is float32 but under DeepSpeed bf16 / fp16: then the file's float32 values become the master.
+    trainer.old_policy.load_master(folder / files["old_policy"], old)
     if trainer.param_ema is not None:
         if not files.get("param_ema"):
             raise ValueError(f"{folder} has no parameter EMA (trained with param_ema=False); this trainer has one.")
@@ -267,11 +275,11 @@ def training_session(trainer: Trainer, resume_from_checkpoint=None) -> Iterator[
     write over an earlier run, pick the checkpoint to resume from (yielded: the newest *valid* one for ``True``),
     install the :class:`SaveOnSignalCallback` handlers, and write an emergency checkpoint when training raises.
     Everything is undone on exit, also on errors."""
-    if resume_from_checkpoint and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+    if resume_from_checkpoint and trainer.is_fsdp_enabled:
         raise NotImplementedError(
-            "Resuming under DeepSpeed / FSDP is not supported yet: the Trainer loads those checkpoints through the "
-            "engine and would skip the old-policy adapter, the parameter EMA and the MARBLE state. Resume with DDP "
-            "or a single process (checkpoints are engine-independent), or start from the exported LoRA."
+            "Resuming under FSDP is not supported yet: the Trainer loads those checkpoints through FSDP and would "
+            "skip the old-policy adapter, the parameter EMA and the MARBLE state. Resume with DDP, DeepSpeed or a "
+            "single process, or start from the exported LoRA."
         )
     args = trainer.args
     lock = OutputDirLock(args.output_dir) if args.should_save else None

@@ -84,6 +84,8 @@ class PersistenceHooks:
         # The restored optimizer / scheduler states carry the old learning rate: apply an allowed new one.
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
+            if self.is_deepspeed_enabled:  # the engine has restored the trained adapter and the optimizer: the rest
+                load_training_state(self, checkpoint, engine_restored=True)
             apply_changed_hyperparameters(self, checkpoint)
 
     def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
