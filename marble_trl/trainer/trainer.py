@@ -420,6 +420,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         step = self.state.global_step  # optimizer steps completed before this one
         self._metrics["nonfinite/skipped_steps"].append(float(self.nonfinite_guard.skipped))
         self._undo_refresh_if_skipped(self.nonfinite_guard.skipped)
+        self._step_batches = None  # the step's rollouts and conditioning: not kept into the next step's rollouts
         if self.nonfinite_guard.skipped:  # nothing moved: neither may the old policy nor the EMA
             self._metrics["time/train"].append(self._step_timer.pop("train", 0.0))
             return
