@@ -136,3 +136,23 @@ def test_a_skipped_step_takes_back_its_solved_first_refresh(tmp_path):
     trainer.train()
     assert trainer.nonfinite_guard.total == 1
     assert trainer.balancer.state_dict() == before  # no refresh counted, alpha_bar and norms unchanged
+
+
+def test_non_finite_subset_gradients_skip_the_step_and_refresh_nothing(tmp_path, monkeypatch):
+    import marble_trl.trainer.solve_first as solve_first
+
+    original = solve_first.subset_gradients
+
+    def poisoned(batches, **kwargs):
+        pairs = original(batches, **kwargs)
+        kwargs["engine"].buffers[1, 0] = float("nan")
+        return pairs
+
+    monkeypatch.setattr(solve_first, "subset_gradients", poisoned)
+    trainer = _trainer(tmp_path, max_steps=1, marble_refresh_subset=1, max_nonfinite_skips=3)
+    before, lora = trainer.balancer.state_dict(), _lora(trainer)
+    trainer.train()
+    assert trainer.nonfinite_guard.total == 1
+    assert trainer.balancer.state_dict() == before
+    after = _lora(trainer)
+    assert all(torch.equal(after[n], lora[n]) for n in lora)

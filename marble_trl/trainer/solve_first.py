@@ -102,6 +102,8 @@ def solve_first_refresh(
     buffers = gradient_kwargs["engine"].buffers
     if not torch.isfinite(buffers).all():
         bad = [n for n, row in zip(balancer.reward_names, buffers) if not torch.isfinite(row).all()]
+        for batch in batches:  # the step will be skipped: no refresh, its micro-batches train as planned
+            batch.plan = dataclasses.replace(plan, mode="plain")
         return SolveFirstResult(None, pairs, f"the per-reward gradients of {bad} are not finite")
     buffers[~plan.has_signal.to(buffers.device)] = 0.0  # rewards without signal stay out of the QP
     coeffs, info = balancer.solve(buffers)
