@@ -87,7 +87,7 @@ class PlainBackward:
                 extra = settings.beta * terms.kl.mean() * scale if settings.beta > 0 else None  # Eq. 8: KL apart
             else:
                 extra = loss * scale
-            weight = _engine_scale(settings, scale, terms.loss_pos.shape[0])
+            weight = engine_scale(settings, scale, terms.loss_pos.shape[0])
             engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=weight, extra_loss=extra)
         return v_theta, terms, loss
 
@@ -135,7 +135,7 @@ class DeepSpeedBackward(PlainBackward):
         if engine is not None:
             with engine.capture(transformer):
                 _, terms_k, _ = forward(transformer)
-                weight = _engine_scale(settings, scale, terms_k.loss_pos.shape[0])
+                weight = engine_scale(settings, scale, terms_k.loss_pos.shape[0])
                 engine.accumulate(terms_k.loss_pos, terms_k.loss_neg, r_k, scale=weight)
             del terms_k
         return self._ordinary(model, forward, scale, last)
@@ -154,7 +154,7 @@ class DeepSpeedBackward(PlainBackward):
         raise RuntimeError("DeepSpeed owns the gradients: its 'gradient' refreshes are solved first (solve_first).")
 
 
-def _engine_scale(settings: LossSettings, scale: float, batch_size: int) -> float:
+def engine_scale(settings: LossSettings, scale: float, batch_size: int) -> float:
     """The per-reward sums' weight: the NFT loss's ``A_max / nft_beta`` prefactor and its mean over samples."""
     return settings.adv_clip_max / settings.nft_beta * scale / batch_size
 

@@ -30,7 +30,7 @@ import torch
 
 from ..balance import GradientEngine, MarbleBalancer, RefreshInfo
 from ..nft import advantage_to_r
-from .backward import LossSettings, Predict, _engine_scale, policy_forward, timestep_inputs
+from .backward import LossSettings, Predict, engine_scale, policy_forward, timestep_inputs
 from .step import MicroBatch
 
 
@@ -78,7 +78,7 @@ def subset_gradients(
         r = advantage_to_r(batch.advantages.to(device), settings.adv_clip_max)
         r_k = advantage_to_r(batch.per_reward_advantages.to(device), settings.adv_clip_max)
         # The per-pair sums of the whole step, had every pair been in the subset: norms comparable to exact ones.
-        weight = _engine_scale(settings, scale, batch.x0.shape[0]) * len(batches) * num_train / pairs
+        weight = engine_scale(settings, scale, batch.x0.shape[0]) * len(batches) * num_train / pairs
         generator = noise_generator(batch.index)
         for j in range(count):
             inputs = timestep_inputs(batch, j, x0, sigmas, generator, transformer, predict, settings, autocast)
