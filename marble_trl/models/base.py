@@ -118,13 +118,22 @@ class DiffusersFlowAdapter:
     def _encode(self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float):
         raise NotImplementedError
 
-    def call_for_latents(self, scheduler, **kwargs):
-        """The family pipeline's own ``__call__`` with ``scheduler`` swapped in, ``output_type="latent"`` (the
-        pipeline's scheduler is restored afterwards)."""
+    def call_for_latents(self, scheduler, num_steps: int, resolution: int, generator: torch.Generator, **kwargs):
+        """The family pipeline's own ``__call__`` for ``num_steps`` steps of square ``resolution`` images with
+        ``scheduler`` swapped in, ``output_type="latent"`` (the pipeline's scheduler is restored afterwards);
+        ``kwargs``: the family's conditioning and guidance arguments."""
         pipe, original = self.pipeline, self.pipeline.scheduler
         pipe.scheduler = scheduler
         try:
-            return pipe(output_type="latent", return_dict=True, **kwargs)
+            return pipe(
+                num_inference_steps=num_steps,
+                height=resolution,
+                width=resolution,
+                generator=generator,
+                output_type="latent",
+                return_dict=True,
+                **kwargs,
+            )
         finally:
             pipe.scheduler = original
 

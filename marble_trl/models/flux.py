@@ -146,13 +146,12 @@ class FluxAdapter(PackedLatentAdapter):
                guidance_scale: float = 1.0, negative: FluxConditioning | None = None) -> torch.Tensor:  # fmt: skip
         out = self.call_for_latents(
             scheduler,
+            num_steps,
+            resolution,
+            generator,
             prompt_embeds=cond.prompt_embeds,
             pooled_prompt_embeds=cond.pooled,
             guidance_scale=guidance_scale,
-            num_inference_steps=num_steps,
-            height=resolution,
-            width=resolution,
-            generator=generator,
         )
         side = resolution // self.pipeline.vae_scale_factor
         return unpack(out.images, side, side)

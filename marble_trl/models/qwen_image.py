@@ -89,13 +89,12 @@ class QwenImageAdapter(PackedLatentAdapter):
                                                                 device=negative.prompt_embeds.device)  # fmt: skip
         out = self.call_for_latents(
             scheduler,
+            num_steps,
+            resolution,
+            generator,
             prompt_embeds=cond.prompt_embeds,
             prompt_embeds_mask=cond.mask,
             true_cfg_scale=guidance_scale,
-            num_inference_steps=num_steps,
-            height=resolution,
-            width=resolution,
-            generator=generator,
             **cfg,
         )
         side = resolution // self.pipeline.vae_scale_factor

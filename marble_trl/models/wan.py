@@ -78,14 +78,13 @@ class WanAdapter(DiffusersFlowAdapter):
             raise ValueError("guidance_scale > 1 needs the negative prompt's conditioning.")
         out = self.call_for_latents(
             scheduler,
+            num_steps,
+            resolution,
+            generator,
             prompt_embeds=cond.prompt_embeds,
             negative_prompt_embeds=negative.prompt_embeds if guidance_scale > 1.0 else None,
             guidance_scale=guidance_scale,
-            num_inference_steps=num_steps,
-            height=resolution,
-            width=resolution,
             num_frames=self.num_frames,
-            generator=generator,
         )
         return out.frames
 

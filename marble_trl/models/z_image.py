@@ -90,11 +90,10 @@ class ZImageAdapter(PackedLatentAdapter):
             cfg = {"guidance_scale": guidance_scale - 1.0, "negative_prompt_embeds": negative.prompt_embeds}
         out = self.call_for_latents(
             scheduler,
+            num_steps,
+            resolution,
+            generator,
             prompt_embeds=cond.prompt_embeds,
-            num_inference_steps=num_steps,
-            height=resolution,
-            width=resolution,
-            generator=generator,
             **cfg,
         )
         return out.images
