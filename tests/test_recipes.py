@@ -120,6 +120,7 @@ def test_paper_recipe_is_faithful(tmp_path):
     assert (ocr.prompts_per_step, ocr.old_policy_update_interval) == (24, 2)  # the reference: 2 steps per epoch
     _, small = _parse(ROOT / "recipes" / "sd35m-marble-24gb.yaml", 1, tmp_path)
     assert small.gradient_checkpointing and small.num_generations < marble.num_generations
+    assert small.offload_text_encoders and all(small.reward_kwargs[n]["offload"] for n in ("pickscore", "hpsv2"))
 
 
 @pytest.mark.parametrize("config", ACCELERATE_CONFIGS, ids=lambda p: p.name)

@@ -187,6 +187,26 @@ def test_clip_reward_bfloat16_close_to_float32(tiny_clip: Path, images: torch.Te
     np.testing.assert_allclose(bf16, fp32, atol=5e-2)
 
 
+def test_offloaded_reward_visits_its_device_only_while_scoring(
+    tiny_clip: Path, images: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = get_reward("clipscore", model_name_or_path=str(tiny_clip))(PROMPTS, images)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fn = get_reward("clipscore", model_name_or_path=str(tiny_clip), offload=True, device=device, batch_size=2)
+    moves, seen = [], []
+    place, score = fn._place, fn._score
+    monkeypatch.setattr(fn, "_place", lambda d: (moves.append(torch.device(d).type), place(d)))
+    monkeypatch.setattr(fn, "_score", lambda p, x: (seen.append(next(fn.model.parameters()).device), score(p, x))[1])
+    np.testing.assert_allclose(fn(PROMPTS, images), reference, atol=1e-5)
+    assert moves == [fn.device.type, "cpu"]  # one visit per call, not per batch
+    assert seen == [fn.device] * 2 and next(fn.model.parameters()).device.type == "cpu"
+    assert "offload=True" in repr(fn)
+    monkeypatch.setattr(fn, "_score", mock.Mock(side_effect=RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        fn(PROMPTS, images)
+    assert moves[-1] == "cpu" and next(fn.model.parameters()).device.type == "cpu"  # put back on failure too
+
+
 def test_image_transform_matches_clip_processor(images: torch.Tensor) -> None:
     proc = CLIPImageProcessor(size={"shortest_edge": 24}, crop_size={"height": 20, "width": 20})
     ours = ImageTransform.from_image_processor(proc)(images)

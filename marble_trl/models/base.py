@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from contextlib import nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -16,6 +17,7 @@ import torch
 from ..artifacts import LORA_KEY_PREFIX
 from ..distributed import zero3_init_disabled
 from .loading import cast_built, from_pretrained
+from .prompt_cache import encoders_visiting
 
 
 @dataclasses.dataclass
@@ -30,6 +32,37 @@ class RowConditioning:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             values[f.name] = value if value is None or f.name in self.shared else value[idx]
+        return type(self)(**values)
+
+    # The prompt-embedding cache (marble_trl.models.prompt_cache) stores single rows and joins them again.
+    def row(self, i: int):
+        """Row ``i`` alone, as the family would encode that prompt by itself (padding of other rows removed)."""
+        return self.index([i])
+
+    @classmethod
+    def concat(cls, rows: list):
+        """The rows of a batch joined back (the inverse of :meth:`row` over a batch)."""
+        values = {}
+        for f in dataclasses.fields(cls):
+            first = getattr(rows[0], f.name)
+            if first is None or f.name in cls.shared:
+                values[f.name] = first
+            elif isinstance(first, list):
+                values[f.name] = [item for r in rows for item in getattr(r, f.name)]
+            else:
+                values[f.name] = torch.cat([getattr(r, f.name) for r in rows])
+        return cls(**values)
+
+    def to(self, device: torch.device | str):
+        """The same conditioning with every tensor on ``device``."""
+        values = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                value = value.to(device)
+            elif isinstance(value, list):
+                value = [v.to(device) for v in value]
+            values[f.name] = value
         return type(self)(**values)
 
 
@@ -54,6 +87,10 @@ class DiffusersFlowAdapter:
 
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
+        # marble_trl.models.prompt_cache: a PromptEmbeddingCache when one is installed; True when the text encoders
+        # live in CPU memory and visit the device to encode.
+        self.prompt_cache = None
+        self.text_encoders_offloaded = False
 
     # ---------------------------------------------------------------------------------------------- loading
     @classmethod
@@ -109,10 +146,14 @@ class DiffusersFlowAdapter:
         return {}
 
     def encode(self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float = 1.0):
-        """Each distinct prompt encoded once, expanded back to ``prompts``."""
+        """Each distinct prompt encoded once (or read from :attr:`prompt_cache`), expanded back to ``prompts``."""
         unique, rows = unique_index(prompts)
-        with torch.no_grad():
-            cond = self._encode(unique, max_sequence_length, device, guidance_scale)
+        if self.prompt_cache is not None:
+            cond = self.prompt_cache.lookup(unique, max_sequence_length, device, guidance_scale)
+        else:
+            visiting = encoders_visiting(self.pipeline, device) if self.text_encoders_offloaded else nullcontext()
+            with torch.no_grad(), visiting:
+                cond = self._encode(unique, max_sequence_length, device, guidance_scale)
         return cond.index(torch.tensor(rows))
 
     def _encode(self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float):

@@ -36,6 +36,23 @@ class QwenImageConditioning(RowConditioning):
     prompt_embeds: torch.Tensor  # [B, tokens, hidden]
     mask: torch.Tensor | None  # [B, tokens] (1 = a real token), None when no row is padded
 
+    def row(self, i: int) -> QwenImageConditioning:
+        length = int(self.mask[i].sum()) if self.mask is not None else self.prompt_embeds.shape[1]
+        return QwenImageConditioning(self.prompt_embeds[i : i + 1, :length], None)
+
+    @classmethod
+    def concat(cls, rows: list[QwenImageConditioning]) -> QwenImageConditioning:
+        """As ``QwenImagePipeline.encode_prompt`` batches them: zero-padded to the longest, mask ``None`` if none is."""
+        lengths = [r.prompt_embeds.shape[1] for r in rows]
+        longest = max(lengths)
+        embeds = torch.cat(
+            [torch.nn.functional.pad(r.prompt_embeds, (0, 0, 0, longest - n)) for r, n in zip(rows, lengths)]
+        )
+        if min(lengths) == longest:
+            return cls(embeds, None)
+        mask = torch.stack([torch.arange(longest, device=embeds.device) < n for n in lengths]).long()
+        return cls(embeds, mask)
+
 
 class QwenImageAdapter(PackedLatentAdapter):
     """Qwen-Image behind :class:`~marble_trl.models.family.FlowModelAdapter`."""

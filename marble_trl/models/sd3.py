@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import zero3_init_disabled
-from .base import DiffusersFlowAdapter, save_diffusers_lora, vae_decode
+from .base import DiffusersFlowAdapter, RowConditioning, save_diffusers_lora, vae_decode
 from .loading import cast_built, from_pretrained
 from .tiny import SHAPES_MODEL_NAME, TINY_MODEL_NAME, build_tiny_sd3_pipeline, shapes_model_path
 
@@ -50,14 +50,11 @@ def predict_velocity(
 
 
 @dataclass
-class PromptEmbeddings:
+class PromptEmbeddings(RowConditioning):
     """SD3's prompt conditioning: the joint sequence and the pooled CLIP vector, one row per sample."""
 
     prompt_embeds: torch.Tensor  # [B, tokens, joint_attention_dim]
     pooled: torch.Tensor  # [B, pooled_projection_dim]
-
-    def index(self, idx: torch.Tensor | list[int]) -> PromptEmbeddings:
-        return PromptEmbeddings(self.prompt_embeds[idx], self.pooled[idx])
 
 
 @torch.no_grad()
@@ -172,9 +169,7 @@ class SD3Adapter(DiffusersFlowAdapter):
     def handles(cls, pipeline) -> bool:
         return type(pipeline).__name__ == cls.pipeline_class_name or hasattr(pipeline, "text_encoder_3")
 
-    def encode(
-        self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float = 1.0
-    ) -> PromptEmbeddings:
+    def _encode(self, prompts, max_sequence_length, device, guidance_scale) -> PromptEmbeddings:
         return encode_prompts(self.pipeline, prompts, max_sequence_length, device)
 
     def sample(self, scheduler, cond: PromptEmbeddings, num_steps: int, resolution: int, generator: torch.Generator,

@@ -52,6 +52,16 @@ class ZImageConditioning:
             return ZImageConditioning(self.prompt_embeds[rows])
         return ZImageConditioning([self.prompt_embeds[i] for i in rows])
 
+    def row(self, i: int) -> ZImageConditioning:
+        return ZImageConditioning([self.prompt_embeds[i]])
+
+    @classmethod
+    def concat(cls, rows: list[ZImageConditioning]) -> ZImageConditioning:
+        return cls([e for r in rows for e in r.prompt_embeds])
+
+    def to(self, device) -> ZImageConditioning:
+        return ZImageConditioning([e.to(device) for e in self.prompt_embeds])
+
 
 class ZImageAdapter(PackedLatentAdapter):
     """Z-Image / Z-Image-Turbo behind :class:`~marble_trl.models.family.FlowModelAdapter`."""

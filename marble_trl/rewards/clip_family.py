@@ -154,17 +154,45 @@ class ModelReward:
 
     reward_name = "model_reward"
 
-    def __init__(self, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32", batch_size: int = 32):
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "float32",
+        batch_size: int = 32,
+        offload: bool = False,
+    ):
         self.__name__ = self.reward_name
         self.device = torch.device(device)
         self.dtype = parse_dtype(dtype)
         if int(batch_size) < 1:
             raise ValueError(f"Reward {self.reward_name!r}: batch_size must be >= 1, got {batch_size}.")
         self.batch_size = int(batch_size)
+        # offload: the weights live in CPU memory and visit `device` only while a call scores (the trainer scores
+        # once per step, between rollouts and training, so the accelerator holds them only then).
+        self.offload = bool(offload)
         self._loaded = False
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(device={str(self.device)!r}, dtype={self.dtype}, batch_size={self.batch_size})"
+        offload = ", offload=True" if self.offload else ""
+        return (
+            f"{type(self).__name__}(device={str(self.device)!r}, dtype={self.dtype}, batch_size={self.batch_size}"
+            f"{offload})"
+        )
+
+    @property
+    def home(self) -> torch.device:
+        """Where the weights stay between calls: the CPU when offloaded, else ``device``."""
+        return torch.device("cpu") if self.offload else self.device
+
+    def modules(self) -> list[nn.Module]:
+        """The loaded frozen models (every ``nn.Module`` attribute)."""
+        return [v for v in vars(self).values() if isinstance(v, nn.Module)]
+
+    def _place(self, device: torch.device) -> None:
+        for module in self.modules():
+            module.to(device)
+        if device.type == "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def load(self) -> None:
         """Load the weights now (otherwise done on the first call)."""
@@ -173,7 +201,7 @@ class ModelReward:
             self._loaded = True
 
     def _freeze(self, module: nn.Module) -> nn.Module:
-        return module.requires_grad_(False).eval().to(device=self.device, dtype=self.dtype)
+        return module.requires_grad_(False).eval().to(device=self.home, dtype=self.dtype)
 
     def _load(self) -> None:
         raise NotImplementedError
@@ -188,12 +216,18 @@ class ModelReward:
             raise ValueError(f"Reward {self.reward_name!r}: {len(prompts)} prompts for {images.shape[0]} images.")
         self.load()
         scores: list[float] = []
-        with torch.no_grad():
-            for start in range(0, len(prompts), self.batch_size):
-                chunk = images[start : start + self.batch_size].to(self.device, torch.float32)
-                scores.extend(
-                    self._score(list(prompts[start : start + self.batch_size]), chunk).float().cpu().tolist()
-                )
+        if self.offload:
+            self._place(self.device)
+        try:
+            with torch.no_grad():
+                for start in range(0, len(prompts), self.batch_size):
+                    chunk = images[start : start + self.batch_size].to(self.device, torch.float32)
+                    scores.extend(
+                        self._score(list(prompts[start : start + self.batch_size]), chunk).float().cpu().tolist()
+                    )
+        finally:
+            if self.offload:
+                self._place(self.home)
         return scores
 
 
@@ -210,8 +244,9 @@ class _CLIPReward(ModelReward):
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         batch_size: int = 32,
+        offload: bool = False,
     ) -> None:
-        super().__init__(device, dtype, batch_size)
+        super().__init__(device, dtype, batch_size, offload)
         self.model_name_or_path = model_name_or_path or self.default_model
         self.processor_name_or_path = processor_name_or_path or self.default_processor or self.model_name_or_path
 
@@ -312,8 +347,9 @@ class AestheticScore(ModelReward):
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         batch_size: int = 32,
+        offload: bool = False,
     ) -> None:
-        super().__init__(device, dtype, batch_size)
+        super().__init__(device, dtype, batch_size, offload)
         self.model_name_or_path = model_name_or_path
         self.mlp_path = mlp_path
 
@@ -334,7 +370,7 @@ class AestheticScore(ModelReward):
             state = torch.load(self.mlp_path, map_location="cpu", weights_only=True)
         mlp = AestheticMLP(int(state["layers.0.weight"].shape[1]))
         mlp.load_state_dict(state)
-        self.mlp = mlp.requires_grad_(False).eval().to(self.device)
+        self.mlp = mlp.requires_grad_(False).eval().to(self.home)
 
     def _score(self, prompts: list[str], pixels: torch.Tensor) -> torch.Tensor:
         embeds = pooled_features(

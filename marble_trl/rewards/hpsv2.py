@@ -132,8 +132,9 @@ class HPSv2Score(ModelReward):
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         batch_size: int = 32,
+        offload: bool = False,
     ) -> None:
-        super().__init__(device, dtype, batch_size)
+        super().__init__(device, dtype, batch_size, offload)
         self.model_name_or_path = model_name_or_path
         self.filename = filename
         self.clip_name_or_path = clip_name_or_path

@@ -322,8 +322,9 @@ class ImageRewardScore(ModelReward):
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "float32",
         batch_size: int = 32,
+        offload: bool = False,
     ) -> None:
-        super().__init__(device, dtype, batch_size)
+        super().__init__(device, dtype, batch_size, offload)
         self.model_name_or_path = IMAGEREWARD_REPO if model_name_or_path == "ImageReward-v1.0" else model_name_or_path
         self.tokenizer_name_or_path = tokenizer_name_or_path
         self.med_config = med_config
@@ -344,7 +345,7 @@ class ImageRewardScore(ModelReward):
     def _load(self) -> None:
         state = torch.load(self.checkpoint_path(), map_location="cpu", weights_only=True)
         model = ImageRewardModel.from_original(state, self.med_config, self.vision_config, self.dtype)
-        self.model = model.to(self.device)
+        self.model = model.to(self.home)
         self.tokenizer = init_tokenizer(self.tokenizer_name_or_path)
         vocab = self.model.text_encoder.config.vocab_size
         if len(self.tokenizer) > vocab:

@@ -62,6 +62,7 @@ from ..distributed import (
 from ..guards import NonFiniteGuard
 from ..lora import TRAIN_ADAPTER, LoraEMA, OldPolicy, add_policy_adapters, lora_parameters, use_old_policy
 from ..models import Conditioning, adapter_for, load_model
+from ..models.prompt_cache import build_prompt_cache, dataset_prompts, offload_text_encoders
 from ..nft import advantage_to_r, old_policy_decay, param_ema_decay
 from ..nft_config import MarbleDiffusionNFTConfig
 from ..rewards import RewardFunc, RewardLogs, check_reward_funcs, score_rewards
@@ -203,6 +204,14 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         )
         for component in frozen_components(self.pipeline):
             component.to(self.accelerator.device)
+        if args.cache_prompt_embeddings:  # every prompt encoded now; the text encoders leave the accelerator
+            prompts = dataset_prompts(train_dataset, eval_dataset)
+            build_prompt_cache(self.model_adapter, prompts, args, self.accelerator.device)
+        elif (
+            args.offload_text_encoders
+        ):  # they visit the accelerator for each encoding (marble_trl.models.prompt_cache)
+            offload_text_encoders(self.pipeline, "cpu")
+            self.model_adapter.text_encoders_offloaded = True
         self.rollout_scheduler = make_scheduler(args.sample_scheduler, self.pipeline.scheduler)
         grid = self.model_adapter.timestep_kwargs(args.num_sample_steps, args.resolution)  # the family's sigma grid
         self.train_sigmas = training_sigmas(self.pipeline.scheduler, args.num_sample_steps, **grid)
