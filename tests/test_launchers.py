@@ -1,10 +1,10 @@
 """The tiny recipe under real launchers on CPU, against the same recipe in one plain process (same global batch):
 
-- `marble-trl train --accelerate_config recipes/accelerate/multi_gpu.yaml --num_processes 2` (two gloo processes,
-  data parallel) gives the LoRA of one process with gradient accumulation, and so does the multi-node template run as
-  two machines of one process each on 127.0.0.1;
-- DeepSpeed ZeRO-2 (the shipped config) in one process and in two, and ZeRO-3 with every parameter partitioned over
-  two processes (`DS_ACCELERATOR=cpu`, gloo), give the same LoRA too: one optimizer step per GA x T backward calls,
+- the multi-node template run as two machines of one process each on 127.0.0.1 (two gloo processes, data parallel)
+  gives the LoRA of one process with gradient accumulation;
+- `marble-trl train --accelerate_config recipes/accelerate/deepspeed_zero2.yaml --num_processes 2` (DeepSpeed ZeRO-2,
+  the shipped config, through the CLI's launcher wrapper) and ZeRO-3 with every parameter partitioned over two
+  processes (`DS_ACCELERATOR=cpu`, gloo) give the same LoRA too: one optimizer step per GA x T backward calls,
   no double loss scaling, MARBLE's exact Eq. 7 refresh steps (solved first under DeepSpeed: the per-reward gradients
   outside DeepSpeed, then Eq. 7 by Prop. 1 in DeepSpeed's own backward, against Eq. 7 written into ``.grad`` by the
   plain run), the old-policy update, gradient checkpointing and the saved LoRA on gathered ZeRO-3 parameters; and the
@@ -53,6 +53,9 @@ TRAIN_ARGS = [
     "true",
     "--sample_grid_prompts",
     "0",
+    # micro-batches of 4: the step's 16 images are GA 4 in one process, GA 2 in each of two
+    "--per_device_train_batch_size",
+    "4",
     "--disable_tqdm",
     "true",
     # Plain SGD: AdamW divides by the root of tiny second moments, so the float summation order of an all-reduce (vs
@@ -63,6 +66,7 @@ TRAIN_ARGS = [
     "--learning_rate",
     "1.0",
 ]
+REFRESH_PAIRS = 6.0  # (micro-batch, timestep) pairs of a step in each of two processes: GA 2 x T 3
 needs_deepspeed = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None or shutil.which("c++") is None,
     reason="needs deepspeed (pip install 'marble-trl[deepspeed]') and a C++ compiler for its CPU op",
@@ -158,27 +162,6 @@ def plain_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_accelerate_config_wrapper_two_processes_match_one(plain_run, init_lora, tmp_path):
-    config = yaml.safe_load((ACCELERATE / "multi_gpu.yaml").read_text())
-    config_file = tmp_path / "multi_gpu.yaml"
-    out = tmp_path / "two"
-
-    def command(port: int) -> list[str]:
-        config_file.write_text(yaml.safe_dump({**config, "main_process_port": port}))
-        cmd = [sys.executable, "-m", "marble_trl.cli", "train", *TRAIN_ARGS, "--output_dir", str(out)]
-        return cmd + ["--accelerate_config", str(config_file), "--num_processes", "2"]
-
-    # CPU processes with gloo: the MULTI_GPU launcher with ACCELERATE_USE_CPU=true in the children.
-    proc = _run(command, _env(ACCELERATE_USE_CPU="true"), out)
-    assert "accelerate.commands.launch --config_file" in proc.stdout
-    summary = json.loads((out / "run_summary.json").read_text())
-    assert summary["global_step"] == 3
-    args = torch.load(out / "training_args.bin", weights_only=False)
-    assert args.gradient_accumulation_steps == 1  # 2 processes x 8 images: the recipe's 16 images per step
-    _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
-
-
-@pytest.mark.slow
 def test_multi_node_config_two_machines_on_one_host_match_one(plain_run, init_lora, tmp_path):
     """The shipped multi-node template as 2 machines x 1 process, both on 127.0.0.1 (static rendezvous, gloo)."""
     out = tmp_path / "nodes"
@@ -207,7 +190,7 @@ def test_multi_node_config_two_machines_on_one_host_match_one(plain_run, init_lo
         shutil.rmtree(out, ignore_errors=True)
     assert codes == [0, 0], "\n".join(err[-3000:] for _, err in logs)
     args = torch.load(out / "training_args.bin", weights_only=False)
-    assert args.world_size == 2 and args.gradient_accumulation_steps == 1
+    assert args.world_size == 2 and args.gradient_accumulation_steps == 2
     _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
 
 
@@ -247,29 +230,28 @@ def _assert_exact_resume(command: Callable[[int], list[str]], out: Path, env: di
 
 @pytest.mark.slow
 @needs_deepspeed
-def test_deepspeed_zero2_matches_plain_run(plain_run, init_lora, tmp_path):
-    out = tmp_path / "zero2"
-    proc = _deepspeed_run(ACCELERATE / "deepspeed_zero2.yaml", out, TRAIN_ARGS)
+def test_deepspeed_zero2_two_processes_through_the_wrapper_match_plain_run(plain_run, init_lora, tmp_path):
+    """`marble-trl train --accelerate_config deepspeed_zero2.yaml --num_processes 2`: two CPU processes under ZeRO-2
+    (gloo: the config picks it for DeepSpeed without CUDA, where accelerate would pick no backend and count each
+    process as the only one), each with two micro-batches of the step (GA 2 x T 3 backward calls per optimizer step)."""
+    config = yaml.safe_load((ACCELERATE / "deepspeed_zero2.yaml").read_text())
+    config_file = tmp_path / "zero2.yaml"
+    out = tmp_path / "zero2x2"
+
+    def command(port: int) -> list[str]:
+        config_file.write_text(yaml.safe_dump({**config, "main_process_port": port}))
+        cmd = [sys.executable, "-m", "marble_trl.cli", "train", *TRAIN_ARGS, *SAVE_EACH_STEP, "--output_dir", str(out)]
+        return cmd + ["--use_cpu", "false", "--accelerate_config", str(config_file), "--num_processes", "2"]
+
+    proc = _run(command, _env(), out)
+    assert "accelerate.commands.launch --config_file" in proc.stdout  # the wrapper ran accelerate
     args = torch.load(out / "training_args.bin", weights_only=False)
+    assert args.world_size == 2 and args.gradient_accumulation_steps == 2 and args.ddp_backend == "gloo"
     assert args.marble_refresh_update == "gradient"  # the paper's Eq. 7, solved first (no fallback any more)
-    refreshes = [s for s in _steps(out) if "marble/refresh_pairs" in s]
-    assert [s["marble/refresh_pairs"] for s in refreshes] == [6.0, 6.0]  # every pair: GA 2 x T 3
     # accelerate reports the DeepSpeed config's accumulation: GA (2) x T (3 timesteps) backward calls per step
     assert "DeepSpeed config has 6" in proc.stderr
-    _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
-
-
-@pytest.mark.slow
-@needs_deepspeed
-def test_deepspeed_zero2_two_processes_match_plain_run(plain_run, init_lora, tmp_path):
-    """Two CPU processes under ZeRO-2 (gloo: the config picks it for DeepSpeed without CUDA, where accelerate would
-    pick no backend and count each process as the only one), each holding half of the step's micro-batches."""
-    out = tmp_path / "zero2x2"
-    command = _deepspeed_command(ACCELERATE / "deepspeed_zero2.yaml", out, [*TRAIN_ARGS, *SAVE_EACH_STEP], 2)
-    proc = _run(command, _env(), out)
-    args = torch.load(out / "training_args.bin", weights_only=False)
-    assert args.world_size == 2 and args.gradient_accumulation_steps == 1 and args.ddp_backend == "gloo"
-    assert "DeepSpeed config has 3" in proc.stderr  # GA 1 x T 3 backward calls per step and process
+    refreshes = [s for s in _steps(out) if "marble/refresh_pairs" in s]
+    assert [s["marble/refresh_pairs"] for s in refreshes] == [REFRESH_PAIRS] * 2  # every pair of the step
     _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
     _assert_exact_resume(command, out, _env())
 
