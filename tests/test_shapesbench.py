@@ -211,7 +211,11 @@ def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
     expected_cost = ["only_color", "weighted_sum", "weighted_sum_plain", "sequential", "marble", "marble_plain"]
     assert [r["method"] for r in cost] == [*expected_cost, "fixed_uniform"]
     assert all(float(r["relative_speed"]) > 0 and float(r["relative_peak_rss"]) > 0 for r in cost)
+    balancers = list(csv.DictReader((out / "balancers.csv").open()))
+    assert [r["method"] for r in balancers] == ["weighted_sum", "marble"]
+    assert all(math.isfinite(float(r["mean_gain"])) for r in balancers)
     report = (out / "report.md").read_text()
+    assert "## Balancers compared" in report
     for name in [*methods, *S.REWARD_NAMES]:
         assert name in report
     for png in ("reward_curves.png", "coefficients.png", "cosine_hist.png", "samples.png"):

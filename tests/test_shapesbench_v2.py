@@ -142,3 +142,27 @@ def test_cost_table_takes_times_and_ratios_from_the_same_runs():
     _, raw = table2(runs)
     marble = next(r for r in raw if r["method"] == "marble")
     assert marble["step_ms"] == 4000.0 and marble["relative_speed"] == 0.5
+
+
+def test_balancer_comparison_gains_and_conflicts_over_seeds():
+    """The balancer comparison: per seed, the worst and mean training-reward gain and the mean held-out gain over that
+    seed's base, then mean and s.e.m. over seeds; the conflict rate is Table S1's; non-balancers are left out."""
+    from marble_trl.shapesbench.comparison import HELD_OUT, balancer_comparison
+    from marble_trl.shapesbench.scorers import EVAL_NAMES, REWARD_NAMES
+
+    def evals(train: float, held_out: float) -> dict:
+        return {n: (train if n in REWARD_NAMES else held_out) for n in EVAL_NAMES}
+
+    bases = [
+        {"method": "only_color", "seed": s, "eval": evals(0.5, 0.5), "base_eval": evals(0.5, 0.5)} for s in (0, 1)
+    ]
+    upgrad = [{"method": "upgrad", "seed": s, "eval": {**evals(0.5 + g, 0.5 + g), REWARD_NAMES[0]: 0.5 - g}}
+              for s, g in ((0, 0.1), (1, 0.3))]  # fmt: skip
+    harmony = [{"method": "upgrad", "conflict_rate": 0.25, "conflict_rate_sem": 0.05}]
+    display, raw = balancer_comparison([*bases, *upgrad], harmony)
+    assert [r["method"] for r in raw] == ["upgrad"] and raw[0]["seeds"] == 2
+    k = len(REWARD_NAMES)
+    assert raw[0]["worst_gain"] == pytest.approx(-0.2) and raw[0]["worst_gain_sem"] == pytest.approx(0.1)
+    assert raw[0]["mean_gain"] == pytest.approx(0.2 * (k - 2) / k)  # (k - 1) gains of g, one of -g
+    assert raw[0]["held_out_gain"] == pytest.approx(0.2) and len(HELD_OUT) >= 2
+    assert raw[0]["conflict_rate"] == 0.25 and display[0]["conflict_rate"] == "0.250 ± 0.050"

@@ -9,6 +9,8 @@
   variants: ``marble/cos/*`` on refresh steps;
 - **Table 2** (``table2_cost``): median step time and peak RSS, relative to the weighted sum (without the per-step
   cosine diagnostics: ``weighted_sum_plain``) of the same seed;
+- the balancer comparison (``balancers``, :mod:`.comparison`): worst, mean and held-out gains and the all-step
+  conflict rate of MARBLE, its variants and the aggregators;
 - plots: ``reward_curves.png``, ``coefficients.png``, ``cosine_hist.png``.
 """
 
@@ -26,6 +28,8 @@ import numpy as np
 
 from ..balance.weightings import AGGREGATORS
 from ..scores import composite_zscores, markdown_table, mean_sem, write_csv
+from .comparison import COLUMNS as COMPARISON_COLUMNS
+from .comparison import balancer_comparison
 from .methods import all_methods
 from .scorers import EVAL_NAMES, REWARD_NAMES, STRESS_REWARDS
 
@@ -471,6 +475,13 @@ def write_report(out_dir: str | Path, make_plots: bool = True) -> str:
     if tsr:
         write_csv(out_dir / "tableS1_harmony.csv", tsr, list(tsr[0]))
     (out_dir / "tableS1_harmony.md").write_text(markdown_table(tsd, cols_s))
+
+    bd, br = balancer_comparison(runs, tsr)
+    if bd:
+        title = "## Balancers compared (mean ± s.e.m. over seeds; gains over the base)"
+        sections.append(f"{title}\n\n" + markdown_table(bd, ["method", *COMPARISON_COLUMNS, "seeds"]))
+        write_csv(out_dir / "balancers.csv", br, list(br[0]))
+        (out_dir / "balancers.md").write_text(markdown_table(bd, ["method", *COMPARISON_COLUMNS, "seeds"]))
 
     t2d, t2r = table2(runs)
     cols2 = list(t2d[0])

@@ -1,0 +1,76 @@
+"""The balancer comparison of the ShapesBench report (``balancers.md``): MARBLE as in the paper, its beyond-the-paper
+variants (norm-aware amortisation, estimated refreshes, every-step refreshes) and the Gram-based aggregators of
+multi-objective optimisation, side by side on what does not depend on which other methods ran.
+
+Per method, mean +- s.e.m. over seeds of: the worst and the mean training-reward gain over the base (held-out
+images), the mean held-out-only gain (the rewards never trained on: fidelity, judge), and the all-step conflict rate
+(Table S1: the share of steps whose update has a negative cosine with some reward's gradient). The composite z-score
+of Table 1 is left out: it is standardised over the methods present in each seed, so it moves when methods are added.
+Throughput is measured side by side by ``benchmarks/step_throughput.py`` (docs/marble.md), not here: these runs share
+the machine and log per-step diagnostics.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from ..balance.weightings import AGGREGATORS
+from ..scores import mean_sem
+from .scorers import EVAL_NAMES, REWARD_NAMES
+
+BALANCERS = (
+    "weighted_sum",
+    "marble",
+    "marble_norm_aware",
+    "marble_estimated",
+    "marble_every_step",
+    "marble_every_step_estimated",
+    "marble_every_step_estimated_s3",
+    *AGGREGATORS,
+)
+HELD_OUT = tuple(n for n in EVAL_NAMES if n not in REWARD_NAMES)
+COLUMNS = ("worst_gain", "mean_gain", "held_out_gain", "conflict_rate")
+
+
+def _pm(mean: float, sem: float) -> str:
+    if mean != mean:  # nan
+        return "n/a"
+    return f"{mean:+.3f}" if sem != sem else f"{mean:+.3f} ± {sem:.3f}"
+
+
+def balancer_comparison(
+    runs: Sequence[dict[str, Any]], harmony: Sequence[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Display and raw rows, from the run records and ``harmony``, Table S1's raw rows (their conflict rates, mean
+    and s.e.m. over seeds)."""
+    bases = {r["seed"]: r["base_eval"] for r in runs if r.get("base_eval")}
+    conflict = {row["method"]: row for row in harmony}
+    per_method: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        base = bases.get(r["seed"])
+        if r["method"] not in BALANCERS or base is None:
+            continue
+        gains = [r["eval"][n] - base[n] for n in REWARD_NAMES]
+        stats = per_method[r["method"]]
+        stats["worst_gain"].append(min(gains))
+        stats["mean_gain"].append(statistics.fmean(gains))
+        stats["held_out_gain"].append(statistics.fmean(r["eval"][n] - base[n] for n in HELD_OUT))
+    display, raw = [], []
+    for method in (m for m in BALANCERS if m in per_method):
+        stats = per_method[method]
+        d: dict[str, Any] = {"method": method}
+        w: dict[str, Any] = {"method": method, "seeds": len(stats["worst_gain"])}
+        for key in COLUMNS[:3]:
+            mean, sem, _ = mean_sem(stats[key])
+            d[key], w[key], w[f"{key}_sem"] = _pm(mean, sem), mean, sem
+        row = conflict.get(method)
+        mean, sem = (row["conflict_rate"], row["conflict_rate_sem"]) if row else (float("nan"), float("nan"))
+        d["conflict_rate"] = "n/a" if mean != mean else (f"{mean:.3f}" if sem != sem else f"{mean:.3f} ± {sem:.3f}")
+        w["conflict_rate"], w["conflict_rate_sem"] = mean, sem
+        d["seeds"] = w["seeds"]
+        display.append(d)
+        raw.append(w)
+    return display, raw
