@@ -1,17 +1,43 @@
 """Two real CPU processes (gloo): identical LoRA and MARBLE coefficients on both ranks, and the same result as one
-process with the same global batch (gradient accumulation instead of data parallelism)."""
+process with the same global batch (gradient accumulation instead of data parallelism). The one-process references run
+the same worker function in this process (one intra-op thread, as the launched workers): no second launch."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 
 WORKER = Path(__file__).parent / "dist" / "tiny_run.py"
+
+
+def _worker(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _in_process(worker: Path, out: Path, *args) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    with _one_thread():
+        return [_worker(worker).run(str(out), *args)]
 
 
 def _run(out: Path, nproc: int, per_device: int, grad_accum: int, steps: int, aggregation: str) -> list[dict]:
@@ -47,7 +73,7 @@ def _run(out: Path, nproc: int, per_device: int, grad_accum: int, steps: int, ag
 def test_two_processes_match_each_other_and_one_process(tmp_path, per_device, grad_accum):
     steps = 3  # refreshes at steps 0 and 2, an amortised step between
     two = _run(tmp_path / "two", 2, per_device, grad_accum, steps, "marble")
-    one = _run(tmp_path / "one", 1, per_device, 2 * grad_accum, steps, "marble")
+    one = _in_process(WORKER, tmp_path / "one", per_device, 2 * grad_accum, steps, "marble")
     assert two[0]["world"] == 2 and one[0]["world"] == 1
     for name, p0 in two[0]["lora"].items():
         assert torch.equal(p0, two[1]["lora"][name]), f"ranks disagree on {name}"
@@ -84,7 +110,7 @@ def test_two_processes_evaluate_and_log_sources_like_one(tmp_path):
         return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
     two = run(tmp_path / "two", 2, 2, 1)
-    one = run(tmp_path / "one", 1, 2, 2)
+    one = _in_process(worker, tmp_path / "one", 2, 2)
     assert two[0]["world"] == 2 and one[0]["world"] == 1
     eval_two = next(h for h in two[0]["history"] if "eval_samples" in h)
     eval_one = next(h for h in one[0]["history"] if "eval_samples" in h)

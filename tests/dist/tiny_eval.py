@@ -1,7 +1,8 @@
 """Worker for the multi-process evaluation test: one training step on a two-source mixture with an evaluation after
 it, then dumps this rank's log history.
 
-Run under `torchrun`: python tiny_eval.py OUT_DIR PER_DEVICE GRAD_ACCUM
+Run under `torchrun`: python tiny_eval.py OUT_DIR PER_DEVICE GRAD_ACCUM (or call :func:`run` in the test process
+for the one-process reference).
 """
 
 import sys
@@ -20,8 +21,8 @@ def texty(prompts, images, text, **_):  # applies to the 'ocr' source only
     return [None if t is None else float(images[i].std()) for i, t in enumerate(text)]
 
 
-def main() -> None:
-    out, per_device, grad_accum = sys.argv[1:4]
+def run(out: str, per_device: int, grad_accum: int) -> dict:
+    """Train, evaluate and return this rank's state (also saved as ``OUT_DIR/rank<i>.pt``)."""
     train = Dataset.from_dict(
         {
             "prompt": ["a red apple", "a blue car", "a sign HI", "a sign YO"],
@@ -51,7 +52,8 @@ def main() -> None:
     trainer.train()
     state = {"history": trainer.state.log_history, "world": trainer.accelerator.num_processes}
     torch.save(state, f"{out}/rank{trainer.accelerator.process_index}.pt")
+    return state
 
 
 if __name__ == "__main__":
-    main()
+    run(*sys.argv[1:4])

@@ -1,6 +1,7 @@
 """Worker for the multi-process tests: trains the tiny model and dumps this rank's LoRA and MARBLE state.
 
 Run under `torchrun` / `accelerate launch`: python tiny_run.py OUT_DIR PER_DEVICE GRAD_ACCUM MAX_STEPS AGGREGATION
+(or call :func:`run` in the test process for the one-process reference).
 """
 
 import sys
@@ -19,8 +20,8 @@ def contrast(prompts, images, **_):
     return images.float().mean(dim=1).flatten(1).std(dim=1).tolist()
 
 
-def main() -> None:
-    out, per_device, grad_accum, max_steps, aggregation = sys.argv[1:6]
+def run(out: str, per_device: int, grad_accum: int, max_steps: int, aggregation: str) -> dict:
+    """Train and return this rank's state (also saved as ``OUT_DIR/rank<i>.pt``)."""
     args = MarbleDiffusionNFTConfig(
         output_dir=out,
         report_to="none",
@@ -56,7 +57,8 @@ def main() -> None:
         "world": trainer.accelerator.num_processes,
     }
     torch.save(state, f"{out}/rank{trainer.accelerator.process_index}.pt")
+    return state
 
 
 if __name__ == "__main__":
-    main()
+    run(*sys.argv[1:6])
