@@ -166,3 +166,19 @@ def test_balancer_comparison_gains_and_conflicts_over_seeds():
     assert raw[0]["mean_gain"] == pytest.approx(0.2 * (k - 2) / k)  # (k - 1) gains of g, one of -g
     assert raw[0]["held_out_gain"] == pytest.approx(0.2) and len(HELD_OUT) >= 2
     assert raw[0]["conflict_rate"] == 0.25 and display[0]["conflict_rate"] == "0.250 ± 0.050"
+
+
+def test_claims_rank_only_methods_run_on_as_many_seeds_as_marble():
+    from marble_trl.shapesbench.report import claims
+    from marble_trl.shapesbench.scorers import REWARD_NAMES
+
+    def row(method, value, worst, composite, seeds):
+        return {"method": method, **dict.fromkeys(REWARD_NAMES, value), "worst_gain": worst,
+                "composite_z": composite, "seeds": seeds}  # fmt: skip
+
+    rows = [row("base", 0.5, 0.0, 0.0, 1), row("marble", 0.6, -0.05, 0.3, 3), row("upgrad", 0.6, -0.02, 0.2, 3),
+            row("nash_mtl", 0.6, -0.01, 0.9, 1)]  # fmt: skip
+    checked = {c["claim"]: c["measured"] for c in claims(rows)}
+    assert checked["MARBLE's mean is above the base on every training reward"] == "yes"
+    assert checked["MARBLE's worst-reward gain is the best of the multi-reward methods"].startswith("best: upgrad")
+    assert checked["MARBLE's composite is the best of the multi-reward methods"].startswith("best: marble ")

@@ -168,13 +168,14 @@ def learnability(runs: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], 
 
 def claims(t1_raw: Sequence[dict[str, Any]]) -> list[dict[str, str]]:
     """The paper's Table 1 claims checked on the raw Table 1 rows: MARBLE above the base on every training reward
-    (by its mean over seeds), and MARBLE's worst-reward gain and composite the best of the multi-reward methods."""
+    (by its mean over seeds), and MARBLE's worst-reward gain and composite the best of the multi-reward methods run
+    with at least as many seeds as MARBLE."""
     rows = {r["method"]: r for r in t1_raw}
     if "marble" not in rows or "base" not in rows:
         return []
     marble, base = rows["marble"], rows["base"]
     below = [n for n in REWARD_NAMES if not marble[n] > base[n]]
-    multi = [m for m in MULTI_REWARD_ORDER if m in rows]
+    multi = [m for m in MULTI_REWARD_ORDER if m in rows and rows[m]["seeds"] >= marble["seeds"]]  # as many seeds
 
     def best(key: str) -> str:
         ranked = sorted(multi, key=lambda m: -rows[m][key] if math.isfinite(rows[m][key]) else math.inf)
