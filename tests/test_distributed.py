@@ -63,13 +63,9 @@ def _run(out: Path, nproc: int, per_device: int, grad_accum: int, steps: int, ag
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "per_device, grad_accum",
-    [
-        (4, 1),  # each group of 4 sits on one process
-        (2, 2),  # each group of 4 is split over the two processes (normalised over the whole group after gather)
-    ],
-)
+# Each group of 4 is split over the two processes (normalised over the whole group after gather). Groups that sit
+# on one process, data parallel with accumulation: tests/test_launchers.py (the multi-node template, DDP).
+@pytest.mark.parametrize("per_device, grad_accum", [(2, 2)])
 def test_two_processes_match_each_other_and_one_process(tmp_path, per_device, grad_accum):
     steps = 3  # refreshes at steps 0 and 2, an amortised step between
     two = _run(tmp_path / "two", 2, per_device, grad_accum, steps, "marble")

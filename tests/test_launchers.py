@@ -8,7 +8,7 @@
   no double loss scaling, MARBLE's exact Eq. 7 refresh steps (solved first under DeepSpeed: the per-reward gradients
   outside DeepSpeed, then Eq. 7 by Prop. 1 in DeepSpeed's own backward, against Eq. 7 written into ``.grad`` by the
   plain run), the old-policy update, gradient checkpointing and the saved LoRA on gathered ZeRO-3 parameters; and the
-  two-process ZeRO-2 and ZeRO-3 runs resumed from their first checkpoint end bit for bit where they ended.
+  two-process ZeRO-3 run resumed from its first checkpoint ends bit for bit where it ended.
 
 The DeepSpeed tests skip without deepspeed (`pip install "marble-trl[deepspeed]"`) or a C++ compiler (DeepSpeed
 JIT-compiles its CPU communication op on first use, ~1-2 minutes once per machine; later runs reuse the build).
@@ -240,7 +240,7 @@ def test_deepspeed_zero2_two_processes_through_the_wrapper_match_plain_run(plain
 
     def command(port: int) -> list[str]:
         config_file.write_text(yaml.safe_dump({**config, "main_process_port": port}))
-        cmd = [sys.executable, "-m", "marble_trl.cli", "train", *TRAIN_ARGS, *SAVE_EACH_STEP, "--output_dir", str(out)]
+        cmd = [sys.executable, "-m", "marble_trl.cli", "train", *TRAIN_ARGS, "--output_dir", str(out)]
         return cmd + ["--use_cpu", "false", "--accelerate_config", str(config_file), "--num_processes", "2"]
 
     proc = _run(command, _env(), out)
@@ -253,7 +253,7 @@ def test_deepspeed_zero2_two_processes_through_the_wrapper_match_plain_run(plain
     refreshes = [s for s in _steps(out) if "marble/refresh_pairs" in s]
     assert [s["marble/refresh_pairs"] for s in refreshes] == [REFRESH_PAIRS] * 2  # every pair of the step
     _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
-    _assert_exact_resume(command, out, _env())
+    # Exact resume under DeepSpeed: the ZeRO-3 test below (the same engine-checkpoint path, partitioned).
 
 
 @pytest.mark.slow
