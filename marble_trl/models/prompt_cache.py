@@ -13,7 +13,7 @@ host-device copies of their weights per step, no cache in RAM).
 
 A row is what the family's encoder gives for the prompt; cached rows are encoded in other batches than the step's, so
 they can differ from a per-step encoding by the batch-size dependence of the encoders' matrix products (float
-rounding); everything else is identical (tests/test_prompt_cache.py).
+rounding); everything else is identical (tests/test_memory_savers.py).
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ class PromptEmbeddingCache:
                 self._rows[self.key(prompt, max_sequence_length, guidance_scale)] = cond.row(i).to(self.storage)
 
     def lookup(self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float = 1.0):
-        """The conditioning of the distinct ``prompts`` on ``device``; missing prompts are encoded where the text
-        encoders are (with a warning the first time)."""
+        """The conditioning of the distinct ``prompts`` on ``device``; missing prompts are encoded by the text
+        encoders visiting ``device``, and cached (with a warning the first time)."""
         keys = [self.key(p, max_sequence_length, guidance_scale) for p in prompts]
         missing = [p for p, k in zip(prompts, keys) if k not in self._rows]
         if missing:
@@ -141,8 +141,8 @@ def dataset_prompts(*datasets: Any) -> list[str]:
 
 
 def build_prompt_cache(adapter, prompts: Iterable[str], args, device: torch.device) -> PromptEmbeddingCache:
-    """Encode ``prompts`` (and the negative prompt when rollouts or evaluation use CFG) on ``device``, install the cache on the
-    adapter and move the text encoders to the CPU."""
+    """Encode ``prompts`` (and the negative prompt when rollouts or evaluation use CFG) on ``device``, install the
+    cache on the adapter and move the text encoders to the CPU."""
     cache = PromptEmbeddingCache(adapter)
     prompts, batch = list(prompts), args.per_device_train_batch_size
     for scale in dict.fromkeys([args.guidance_scale, args.eval_guidance_scale]):  # rollouts' and evaluation's
