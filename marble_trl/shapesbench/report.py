@@ -479,10 +479,10 @@ def write_report(out_dir: str | Path, make_plots: bool = True) -> str:
 
     bd, br = balancer_comparison(runs, tsr)
     if bd:
-        title = "## Balancers compared (mean ± s.e.m. over seeds; gains over the base)"
-        sections.append(f"{title}\n\n" + markdown_table(bd, ["method", *COMPARISON_COLUMNS, "seeds"]))
+        table = markdown_table(bd, ["method", *COMPARISON_COLUMNS, "seeds"])
+        sections.append("## Balancers compared (mean ± s.e.m. over seeds; gains over the base)\n\n" + table)
         write_csv(out_dir / "balancers.csv", br, list(br[0]))
-        (out_dir / "balancers.md").write_text(markdown_table(bd, ["method", *COMPARISON_COLUMNS, "seeds"]))
+        (out_dir / "balancers.md").write_text(table)
 
     t2d, t2r = table2(runs)
     cols2 = list(t2d[0])

@@ -207,9 +207,8 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         if args.cache_prompt_embeddings:  # every prompt encoded now; the text encoders leave the accelerator
             prompts = dataset_prompts(train_dataset, eval_dataset)
             build_prompt_cache(self.model_adapter, prompts, args, self.accelerator.device)
-        elif (
-            args.offload_text_encoders
-        ):  # they visit the accelerator for each encoding (marble_trl.models.prompt_cache)
+        elif args.offload_text_encoders:
+            # They visit the accelerator for each encoding (marble_trl.models.prompt_cache).
             offload_text_encoders(self.pipeline, "cpu")
             self.model_adapter.text_encoders_offloaded = True
         self.rollout_scheduler = make_scheduler(args.sample_scheduler, self.pipeline.scheduler)
