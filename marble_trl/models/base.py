@@ -160,29 +160,34 @@ class DiffusersFlowAdapter:
         raise NotImplementedError
 
     def call_for_latents(self, scheduler, num_steps: int, resolution: int, generator: torch.Generator, **kwargs):
-        """The family pipeline's own ``__call__`` for ``num_steps`` steps of square ``resolution`` images with
-        ``scheduler`` swapped in, ``output_type="latent"`` (the pipeline's scheduler is restored afterwards);
-        ``kwargs``: the family's conditioning and guidance arguments."""
-        pipe, original = self.pipeline, self.pipeline.scheduler
-        pipe.scheduler = scheduler
-        try:
-            return pipe(
-                num_inference_steps=num_steps,
-                height=resolution,
-                width=resolution,
-                generator=generator,
-                output_type="latent",
-                return_dict=True,
-                **kwargs,
-            )
-        finally:
-            pipe.scheduler = original
+        """:func:`call_pipeline_for_latents` on this adapter's pipeline."""
+        return call_pipeline_for_latents(self.pipeline, scheduler, num_steps, resolution, generator, **kwargs)
 
     # ---------------------------------------------------------------------------------------------- LoRA files
     def save_lora(
         self, folder: str | os.PathLike, layers: dict[str, torch.Tensor], metadata: dict | None, weight_name=None
     ) -> None:
         save_diffusers_lora(self.pipeline_class(), folder, layers, metadata, weight_name)
+
+
+def call_pipeline_for_latents(pipe, scheduler, num_steps: int, resolution: int, generator: torch.Generator, **kwargs):
+    """The pipeline's own ``__call__`` for ``num_steps`` steps of square ``resolution`` images with ``scheduler``
+    swapped in, ``output_type="latent"`` (the pipeline's scheduler is restored afterwards); ``kwargs``: the family's
+    conditioning and guidance arguments."""
+    original = pipe.scheduler
+    pipe.scheduler = scheduler
+    try:
+        return pipe(
+            num_inference_steps=num_steps,
+            height=resolution,
+            width=resolution,
+            generator=generator,
+            output_type="latent",
+            return_dict=True,
+            **kwargs,
+        )
+    finally:
+        pipe.scheduler = original
 
 
 def vae_decode(vae, latents: torch.Tensor) -> torch.Tensor:

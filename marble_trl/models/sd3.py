@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import zero3_init_disabled
-from .base import DiffusersFlowAdapter, RowConditioning, save_diffusers_lora, vae_decode
+from .base import DiffusersFlowAdapter, RowConditioning, call_pipeline_for_latents, save_diffusers_lora, vae_decode
 from .loading import cast_built, from_pretrained
 from .tiny import SHAPES_MODEL_NAME, TINY_MODEL_NAME, build_tiny_sd3_pipeline, shapes_model_path
 
@@ -87,28 +87,22 @@ def sample_latents(
     negative: PromptEmbeddings | None = None,
 ) -> torch.Tensor:
     """Run the ODE solver from fresh noise and return the clean latents ``x0`` (transformer space)."""
-    original = pipeline.scheduler
-    pipeline.scheduler = scheduler
-    try:
-        kwargs = {}
-        if guidance_scale > 1.0:
-            if negative is None:
-                raise ValueError("guidance_scale > 1 needs negative prompt embeddings.")
-            kwargs = dict(negative_prompt_embeds=negative.prompt_embeds, negative_pooled_prompt_embeds=negative.pooled)
-        out = pipeline(
-            prompt_embeds=embeddings.prompt_embeds,
-            pooled_prompt_embeds=embeddings.pooled,
-            num_inference_steps=num_steps,
-            guidance_scale=guidance_scale,
-            height=resolution,
-            width=resolution,
-            generator=generator,
-            output_type="latent",
-            return_dict=True,
-            **kwargs,
-        )
-    finally:
-        pipeline.scheduler = original
+    kwargs = {}
+    if guidance_scale > 1.0:
+        if negative is None:
+            raise ValueError("guidance_scale > 1 needs negative prompt embeddings.")
+        kwargs = dict(negative_prompt_embeds=negative.prompt_embeds, negative_pooled_prompt_embeds=negative.pooled)
+    out = call_pipeline_for_latents(
+        pipeline,
+        scheduler,
+        num_steps,
+        resolution,
+        generator,
+        prompt_embeds=embeddings.prompt_embeds,
+        pooled_prompt_embeds=embeddings.pooled,
+        guidance_scale=guidance_scale,
+        **kwargs,
+    )
     return out.images
 
 
