@@ -44,6 +44,7 @@ from .artifacts import (
     lora_key,
 )
 from .data import GroupSampler
+from .distributed import copy_full_, full_tensor
 from .lora import lora_parameters
 
 logger = logging.getLogger(__name__)
@@ -51,9 +52,9 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------- LoRA tensors <-> files
 def adapter_state(transformer: torch.nn.Module, adapter: str) -> dict[str, torch.Tensor]:
-    """One adapter's tensors under diffusers keys (contiguous CPU copies)."""
+    """One adapter's tensors under diffusers keys (contiguous CPU copies; FSDP2 gathers them: every process)."""
     return {
-        lora_key(name, adapter): p.detach().to("cpu").contiguous().clone()
+        lora_key(name, adapter): full_tensor(p.detach()).to("cpu").contiguous().clone()
         for name, p in lora_parameters(transformer, adapter).items()
     }
 
@@ -79,7 +80,7 @@ def load_adapter_state(transformer: torch.nn.Module, adapter: str, path: str | o
     for key, param in params.items():
         if state[key].shape != param.shape:
             raise ValueError(f"{path}: {key} has shape {tuple(state[key].shape)}, the model {tuple(param.shape)}.")
-        param.copy_(state[key].to(device=param.device, dtype=param.dtype))
+        copy_full_(param, state[key])  # FSDP2: this process's shard
 
 
 # ------------------------------------------------------------------------------------------ training state save/load

@@ -19,6 +19,11 @@ times ``timestep_fraction``), so one optimizer step is ``GA * T`` backward calls
   refresh step on the previous coefficients, as everywhere);
 - ZeRO-3 partitions every parameter of the transformer (the LoRA adapters included): reading or writing the LoRA
   outside a forward (saving, the old-policy update, the parameter EMA) goes through :func:`gathered`.
+
+FSDP2 (accelerate ``fsdp_version: 2``, torch's ``fully_shard``) turns every parameter of the transformer into a
+``DTensor`` sharded on dim 0: element-wise updates between adapters (the old policy, the EMA) work shard by shard as
+they are; whole values are read with :func:`full_tensor` (a collective: every process) and written with
+:func:`copy_full_`.
 """
 
 from __future__ import annotations
@@ -77,6 +82,62 @@ def backward(accelerator, loss: torch.Tensor, last_of_micro_batch: bool) -> None
         accelerator.backward(loss, scale_wrt_gas=False)
     finally:
         state._set_sync_gradients(boundary)
+
+
+def is_fsdp(accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def check_fsdp_version(accelerator) -> None:
+    """Only FSDP2 is a strategy here: FSDP1's flat parameters hide the LoRA weights the gradient engine needs."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    version = getattr(plugin, "fsdp_version", 1)
+    if is_fsdp(accelerator) and version != 2:
+        raise ValueError(
+            f"FSDP version {version} is not supported: set `fsdp_version: 2` in the accelerate config's fsdp_config "
+            "(recipes/accelerate/fsdp2.yaml), or use DDP or DeepSpeed."
+        )
+
+
+def reshard(module: torch.nn.Module) -> None:
+    """FSDP2: put every FSDP module of ``module`` in its sharded state (nothing for other modules). A forward leaves
+    the root module's parameters gathered (torch's default for the root), and then the module holds whole temporary
+    tensors instead of the sharded parameters the optimizer updates; read or write parameters only after this."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of ``t``: an FSDP2 ``DTensor`` is all-gathered (every process must call this), any other
+    tensor is returned as it is."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (a whole tensor, the same on every process) laid out like ``like``: this process's shard as a
+    ``DTensor`` when ``like`` is one (no communication), else ``value`` itself; on ``like``'s device and dtype."""
+    value = value.to(device=like.device, dtype=like.dtype)
+    if not _is_dtensor(like):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+
+
+@torch.no_grad()
+def copy_full_(param: torch.Tensor, value: torch.Tensor) -> None:
+    """``param.copy_(value)`` for a whole ``value`` (from a file, the same on every process), sharded or not."""
+    param.copy_(shard_like(value, param))
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .distributed import gathered
+from .distributed import copy_full_, full_tensor, gathered, reshard
 
 TRAIN_ADAPTER = "default"
 OLD_ADAPTER = "old"
@@ -37,7 +37,8 @@ ADAPTER_DTYPE = torch.float32
 
 
 def lora_parameters(module: nn.Module, adapter: str) -> dict[str, nn.Parameter]:
-    """``{name: parameter}`` of one LoRA adapter (names contain ``.<adapter>.``)."""
+    """``{name: parameter}`` of one LoRA adapter (names contain ``.<adapter>.``); under FSDP2 the sharded ones."""
+    reshard(module)
     tag = f".{adapter}."
     return {n: p for n, p in module.named_parameters() if tag in n and "lora_" in n}
 
@@ -224,14 +225,15 @@ class LoraEMA:
                 self.shadow[name].mul_(decay).add_(value.to(self.shadow[name].device), alpha=1.0 - decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return dict(self.shadow)
+        """The EMA weights, whole (FSDP2 gathers its shards: every process must call this)."""
+        return {name: full_tensor(value) for name, value in self.shadow.items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         missing = set(self.shadow) - set(state)
         if missing:
             raise KeyError(f"Parameter-EMA state lacks {len(missing)} LoRA weights, e.g. {sorted(missing)[0]!r}.")
         for name in self.shadow:
-            self.shadow[name].copy_(state[name])
+            copy_full_(self.shadow[name], state[name])
 
     @contextlib.contextmanager
     def swapped_in(self, transformer: nn.Module) -> Iterator[None]:

@@ -78,7 +78,7 @@ def unflatten(flat: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
     """Views of a flat ``[P]`` vector (a buffer row, or a combined direction) shaped like ``params``, in order."""
     out, offset = [], 0
     for p in params:
-        out.append(flat[offset : offset + p.numel()].view_as(p))
+        out.append(flat[offset : offset + p.numel()].view(p.shape))  # p.shape: whole, also for a DTensor
         offset += p.numel()
     return out
 

@@ -10,7 +10,11 @@ has a strategy object with the same two methods:
   back-propagates itself (the step's gradients are all-reduced by hand in :meth:`PlainBackward.all_reduce`);
 - :class:`DeepSpeedBackward`: DeepSpeed hooks every backward through its engine's outputs, so the per-reward gradients
   get a forward of their own through the unwrapped module, which DeepSpeed never sees, and the update goes through the
-  DeepSpeed engine (:func:`marble_trl.distributed.backward`: one optimizer step per ``GA x T`` backward calls).
+  DeepSpeed engine (:func:`marble_trl.distributed.backward`: one optimizer step per ``GA x T`` backward calls);
+- :class:`FSDPBackward` (FSDP2): the transformer is its own wrapper, so everything runs through it as in one process;
+  FSDP's hooks gather each block's weights for the forward and the engine's backward passes (which read layer inputs
+  and output gradients, never the weights) and reduce-scatter ``.grad`` into this process's shard, so only the
+  per-reward buffers are all-reduced by hand, and Eq. 7's update is added to ``.grad`` shard by shard.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from ..balance import (
     unflatten,
     update_cosines,
 )
-from ..distributed import backward, gathered
+from ..distributed import backward, full_tensor, gathered, shard_like
 from ..lora import use_old_policy, use_reference
 from ..nft import NFTTerms, add_noise, advantage_to_r, nft_loss, nft_loss_terms
 from .step import MicroBatch
@@ -152,6 +156,29 @@ class DeepSpeedBackward(PlainBackward):
 
     def apply_update(self, update, params):
         raise RuntimeError("DeepSpeed owns the gradients: its 'gradient' refreshes are solved first (solve_first).")
+
+
+class FSDPBackward(PlainBackward):
+    """FSDP2: ``.grad`` holds this process's shard of the averaged gradient (FSDP reduce-scatters it in the backward)."""
+
+    def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+        world = self.accelerator.num_processes
+        if world > 1:  # the update's .grad is reduced already: only the per-reward buffers
+            torch.distributed.all_reduce(buffers)
+            buffers.div_(world)
+
+    def update_and_rows(self, buffers, params):
+        # Every process gathers the whole gradient (the cosines are computed alike everywhere).
+        grads = [
+            full_tensor(p.grad) if p.grad is not None else torch.zeros(p.shape, device=buffers.device) for p in params
+        ]
+        return torch.cat([g.reshape(-1).float() for g in grads]), buffers
+
+    def apply_update(self, update: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
+        """Add this process's shard of MARBLE's Eq. 7 direction (the same on every process) to ``.grad``."""
+        for p, chunk in zip(params, unflatten(update, params)):
+            chunk = shard_like(chunk, p)
+            p.grad = chunk.clone() if p.grad is None else p.grad.add_(chunk)
 
 
 def engine_scale(settings: LossSettings, scale: float, batch_size: int) -> float:

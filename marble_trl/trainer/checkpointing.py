@@ -46,7 +46,7 @@ from ..checkpoint import (
     replace_dir,
     write_json,
 )
-from ..distributed import gathered
+from ..distributed import full_tensor, gathered
 from ..guards import non_finite_tensors
 from ..lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters, master_weights
 from ..output_dir import OutputDirLock, check_not_overwriting
@@ -67,6 +67,7 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     """
     with gathered(lora_parameters(trainer.transformer, OLD_ADAPTER).values()):  # ZeRO-3: every process gathers
         old = adapter_state(trainer.transformer, OLD_ADAPTER)
+    ema_state = trainer.param_ema.state_dict() if trainer.param_ema is not None else None  # FSDP2: every process
     if not trainer.args.should_save:
         return
     folder = Path(folder)
@@ -81,8 +82,8 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     if master is not None:
         old = {lora_key(n, OLD_ADAPTER): t.contiguous() for n, t in master.items()}
     save_lora_file(trainer, folder, old, OLD_POLICY_FILE)
-    if trainer.param_ema is not None:
-        ema = {lora_key(n, TRAIN_ADAPTER): t.contiguous() for n, t in trainer.param_ema.state_dict().items()}
+    if ema_state is not None:
+        ema = {lora_key(n, TRAIN_ADAPTER): t.contiguous() for n, t in ema_state.items()}
         save_lora_file(trainer, folder, ema, EMA_FILE)
         files["param_ema"] = EMA_FILE
     if trainer.balancer is not None:
@@ -142,7 +143,7 @@ def load_training_state(trainer: Trainer, folder: str | os.PathLike, engine_rest
         from safetensors.torch import load_file
 
         state = load_file(str(folder / files["param_ema"]))
-        names = list(trainer.param_ema.state_dict())
+        names = list(trainer.param_ema.shadow)
         check_keys(set(state), {lora_key(n, TRAIN_ADAPTER) for n in names}, "parameter EMA", folder)
         trainer.param_ema.load_state_dict({n: state[lora_key(n, TRAIN_ADAPTER)] for n in names})
     elif files.get("param_ema"):
@@ -450,7 +451,7 @@ def load_best_checkpoint(trainer: Trainer) -> None:
         from safetensors.torch import load_file
 
         state = load_file(str(folder / files["param_ema"]))
-        names = list(trainer.param_ema.state_dict())
+        names = list(trainer.param_ema.shadow)
         check_keys(set(state), {lora_key(n, TRAIN_ADAPTER) for n in names}, "parameter EMA", folder)
         trainer.param_ema.load_state_dict({n: state[lora_key(n, TRAIN_ADAPTER)] for n in names})
     logger.info(
@@ -476,4 +477,4 @@ def trained_lora_layers(
             raise RuntimeError(
                 f"peft's LoRA keys {sorted(layers)[:2]} do not match the parameters {sorted(masters)[:2]}."
             )
-        return {name: value.cpu().clone() for name, value in masters.items()}
+        return {name: full_tensor(value).cpu().clone() for name, value in masters.items()}  # FSDP2: gathered

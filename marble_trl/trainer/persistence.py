@@ -1,7 +1,7 @@
 """The trainer's saving, checkpoint and Hub hooks (a mixin of :class:`~marble_trl.trainer.MarbleDiffusionNFTTrainer`):
 each ``transformers.Trainer`` hook it overrides delegates to :mod:`.checkpointing` or :mod:`.publishing`.
 
-- ``_save``: the LoRA in diffusers format (``pytorch_lora_weights.safetensors`` with adapter metadata) instead of the
+- ``_save`` / ``save_model``: the LoRA in diffusers format (``pytorch_lora_weights.safetensors`` with adapter metadata) instead of the
   whole transformer, the pickled config and ``marble_trl.json``;
 - ``train``: SIGTERM / SIGINT write a checkpoint at the next step end and stop; an emergency checkpoint on a crash;
 - ``_save_checkpoint`` / ``_get_output_dir``: atomic checkpoints (written under a staging folder, then renamed);
@@ -47,6 +47,15 @@ class PersistenceHooks:
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_FILE))
         # marble_trl.json: base model and sampler settings, the defaults of `marble-trl generate --lora <folder>`.
         write_export_config(output_dir, card_info_from_trainer(self))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The Trainer's, except under FSDP: there it writes only FSDP's own state dict (whole transformer, or none
+        with ``SHARDED_STATE_DICT``); the LoRA file is ``_save``'s, gathered on every process."""
+        if not self.is_fsdp_enabled:
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None, **card_fields) -> None:
         """Write a diffusers LoRA model card (README.md) and ``marble_trl.json`` to ``output_dir`` (see

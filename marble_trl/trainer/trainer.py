@@ -55,6 +55,7 @@ from ..console import order_logs
 from ..data import GroupSampler
 from ..distributed import (
     check_frozen_models_not_partitioned,
+    check_fsdp_version,
     configure_deepspeed,
     disable_zero3_init,
     num_train_timesteps,
@@ -70,7 +71,7 @@ from ..rollout import make_scheduler, training_sigmas
 from ..seeding import keyed_generator
 from ..sources import SOURCE_COLUMN
 from ..trackers import adapt_model_config, log_image
-from .backward import DeepSpeedBackward, LossSettings, PlainBackward, micro_batch_loss
+from .backward import DeepSpeedBackward, FSDPBackward, LossSettings, PlainBackward, micro_batch_loss
 from .balancing import BalancingHooks
 from .checkpointing import SaveOnSignalCallback
 from .evaluate import EvaluationHooks
@@ -218,9 +219,9 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         if self.is_deepspeed_enabled:
             plugin_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
             configure_deepspeed(plugin_config, args, len(self.train_sigmas))
-        self._backward = (
-            DeepSpeedBackward(self.accelerator) if self.is_deepspeed_enabled else PlainBackward(self.accelerator)
-        )
+        check_fsdp_version(self.accelerator)
+        backend = DeepSpeedBackward if self.is_deepspeed_enabled else FSDPBackward if self.is_fsdp_enabled else None
+        self._backward = (backend or PlainBackward)(self.accelerator)
         self._loss_settings = LossSettings(args.nft_beta, args.beta, args.adv_clip_max, args.marble_refresh_update)
         self.param_ema = LoraEMA(transformer) if args.param_ema else None
         self.old_policy = OldPolicy()
