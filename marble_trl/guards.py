@@ -99,7 +99,7 @@ class NonFiniteGuard(TrainerCallback):
         if self._scaler() is not None:
             return  # fp16: the GradScaler skips steps with inf/NaN gradients itself (and needs them to see it)
         params = self._params()
-        bad = [n for n, p in params.items() if p.grad is not None and not torch.isfinite(p.grad).all()]
+        bad = non_finite_tensors({n: p.grad for n, p in params.items() if p.grad is not None})
         if bad:
             self.reasons.append(f"the gradients of {len(bad)} LoRA weights are not finite (e.g. {bad[0]})")
         if self.reasons:
@@ -123,7 +123,7 @@ class NonFiniteGuard(TrainerCallback):
             self.skipped = bool(self.trainer.accelerator.optimizer_step_was_skipped)
             return
         params = self._params()
-        bad = [n for n, p in params.items() if not torch.isfinite(p).all()]
+        bad = non_finite_tensors({n: p.detach() for n, p in params.items()})
         if not bad:
             self.consecutive = 0
             return
@@ -165,5 +165,18 @@ class NonFiniteGuard(TrainerCallback):
 
 
 def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Names of the tensors holding a NaN or an infinity."""
-    return [n for n, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    """Names of the tensors holding a NaN or an infinity. FSDP2 shards (``DTensor``) are checked on every process
+    with one all-reduce, so every process gets the same answer (a DTensor's own ``isfinite().all()`` is a pending
+    partial reduction, which ``bool()`` reads as this process's part alone): every process must call this then."""
+    from torch.distributed.tensor import DTensor
+
+    names = [n for n, t in tensors.items() if t.is_floating_point()]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in (tensors[n] for n in names)]
+    finite = torch.tensor([bool(torch.isfinite(t).all()) for t in local], dtype=torch.float32)
+    sharded = [tensors[n] for n in names if isinstance(tensors[n], DTensor)]
+    if sharded:
+        group = sharded[0].device_mesh.get_group()
+        device = local[0].device
+        finite = finite.to(device)
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN, group=group)
+    return [n for n, ok in zip(names, finite.tolist()) if not ok]

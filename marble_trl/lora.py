@@ -212,7 +212,8 @@ def soft_update_old_policy(transformer: nn.Module, eta: float) -> None:
 
 
 class LoraEMA:
-    """EMA of the trainable LoRA weights (float32), for evaluation and export only; never used in the loss."""
+    """EMA of the trainable LoRA weights (float32, whole on every process, also under ZeRO-3 and FSDP2), for
+    evaluation and export only; never used in the loss."""
 
     def __init__(self, transformer: nn.Module) -> None:
         self.shadow = {n: p.detach().float().clone() for n, p in lora_parameters(transformer, TRAIN_ADAPTER).items()}
@@ -222,18 +223,18 @@ class LoraEMA:
         params = lora_parameters(transformer, TRAIN_ADAPTER)
         with gathered(params.values()):  # ZeRO-3: read the full (gathered) weights, on every process
             for name, value in master_weights(params).items():
+                value = full_tensor(value)  # FSDP2: gathered, on every process
                 self.shadow[name].mul_(decay).add_(value.to(self.shadow[name].device), alpha=1.0 - decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The EMA weights, whole (FSDP2 gathers its shards: every process must call this)."""
-        return {name: full_tensor(value) for name, value in self.shadow.items()}
+        return dict(self.shadow)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         missing = set(self.shadow) - set(state)
         if missing:
             raise KeyError(f"Parameter-EMA state lacks {len(missing)} LoRA weights, e.g. {sorted(missing)[0]!r}.")
         for name in self.shadow:
-            copy_full_(self.shadow[name], state[name])
+            self.shadow[name].copy_(state[name])
 
     @contextlib.contextmanager
     def swapped_in(self, transformer: nn.Module) -> Iterator[None]:
@@ -242,7 +243,7 @@ class LoraEMA:
         backup = {n: p.detach().clone() for n, p in params.items()}
         with torch.no_grad():
             for name, param in params.items():
-                param.copy_(self.shadow[name].to(param.dtype))
+                copy_full_(param, self.shadow[name])  # FSDP2: this process's shard
         try:
             yield
         finally:

@@ -53,6 +53,9 @@ TRAIN_ARGS = [
     "true",
     "--sample_grid_prompts",
     "0",
+    # the per-step cosines of the update against every reward's gradient (step 2): the update's whole gradient
+    "--log_update_cosines",
+    "true",
     # micro-batches of 4: the step's 16 images are GA 4 in one process, GA 2 in each of two
     "--per_device_train_batch_size",
     "4",
@@ -142,6 +145,9 @@ def _assert_same_lora(out: Path, ref: Path, init: dict[str, torch.Tensor], atol:
     for s, r in zip(steps, ref_steps):
         assert s["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
         assert s.get("marble/refreshes") == r.get("marble/refreshes")
+        cosines = {k: v for k, v in r.items() if k.startswith("update_cos/")}
+        assert {k: s.get(k) for k in cosines} == pytest.approx(cosines, abs=1e-4)
+    assert any(k.startswith("update_cos/") for k in ref_steps[1]), "the cosine diagnostic did not run"
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +297,35 @@ def test_deepspeed_zero3_partitioned_over_two_processes_matches_plain_run(plain_
     command = _deepspeed_command(tmp_path / "zero3.yaml", out, [*TRAIN_ARGS, *rewards, *SAVE_EACH_STEP], processes=2)
     env = _env(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     _run(command, env, out)
+    _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
+    _assert_exact_resume(command, out, env)
+
+
+@pytest.mark.slow
+def test_fsdp2_two_processes_match_plain_run_and_resume_exactly(plain_run, init_lora, tmp_path):
+    """recipes/accelerate/fsdp2.yaml over two CPU processes (gloo; tests/dist/fsdp_cpu.py lets accelerate choose FSDP
+    on a CPU): every LoRA weight a DTensor shard, the per-reward gradients from layer inputs and output gradients (the
+    weights stay sharded), MARBLE's exact Eq. 7 added to the sharded ``.grad``, the cosine diagnostic on the gathered
+    gradient, the parameter EMA; the plain run's LoRA, the same coefficients on both processes, and a run resumed from
+    checkpoint-1 (the optimizer's sharded state, no copy of the frozen transformer) ends bit for bit where it ended."""
+    out = tmp_path / "fsdp2"
+
+    def command(port: int) -> list[str]:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE / "fsdp2.yaml")]
+        cmd += ["--num_processes", "2", "--main_process_port", str(port), str(ROOT / "tests" / "dist" / "fsdp_cpu.py")]
+        return cmd + ["train", *TRAIN_ARGS, *SAVE_EACH_STEP, "--param_ema", "true", "--output_dir", str(out)]
+
+    env = _env(ACCELERATE_USE_CPU="true")
+    _run(command, env, out)
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for state in ranks:
+        assert state["distributed_type"] == "DistributedType.FSDP"
+        assert state["sharded"] == state["params"] > 0  # every LoRA weight is a DTensor
+    assert ranks[0]["local_numel"] + ranks[1]["local_numel"] == ranks[0]["numel"]  # the shards partition the LoRA
+    assert 0 < ranks[1]["local_numel"] < ranks[0]["numel"]
+    assert ranks[0]["balancer"] == ranks[1]["balancer"] and ranks[0]["balancer"]["num_refreshes"] == 2
+    assert not (out / "checkpoint-1" / "pytorch_model_fsdp_0").exists()  # the frozen transformer is not copied
+    assert (out / "checkpoint-1" / "optimizer_0").is_dir()
     _assert_same_lora(out, plain_run, init_lora, atol=1e-5)
     _assert_exact_resume(command, out, env)
 

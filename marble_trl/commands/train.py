@@ -162,7 +162,8 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
     grid_prompts = list(dict.fromkeys(dataset["prompt"]))[: script_args.sample_grid_prompts]
     seeds = range(script_args.sample_grid_seeds)
     before = None
-    if grid_prompts and trainer.is_world_process_zero():
+    # FSDP2 / ZeRO-3: every process draws (a forward needs every process's shards); the main one saves.
+    if grid_prompts and (trainer.is_world_process_zero() or trainer.shards_transformer):
         import torch
 
         before = torch.cat([trainer.generate(grid_prompts, seed=s, use_lora=False) for s in seeds])
@@ -180,12 +181,14 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
     if trainer.stopped_by_signal:
         summary["stopped_by"] = trainer.stopped_by_signal
         before = None  # no "after" grid: exit quickly (a scheduler's grace period is short)
+    after = None
+    if before is not None:
+        import torch
+
+        after = torch.cat([trainer.generate(grid_prompts, seed=s, use_lora=True) for s in seeds])
     if trainer.is_world_process_zero():
         _write_metrics(trainer, out)
-        if before is not None:
-            import torch
-
-            after = torch.cat([trainer.generate(grid_prompts, seed=s, use_lora=True) for s in seeds])
+        if after is not None:
             scale = max(1, 128 // training_args.resolution)
             first = {}  # the dataset row of each grid prompt: its columns reach the rewards, as in training
             for k, prompt in enumerate(dataset["prompt"]):
@@ -253,8 +256,9 @@ def _save_after_failure(trainer, out: Path, error: BaseException, start: float) 
     from ..guards import non_finite_tensors
 
     out.mkdir(parents=True, exist_ok=True)
-    lora_finite = not non_finite_tensors({n: p.detach() for n, p in trainer.trainable_parameters().items()})
-    if lora_finite and trainer.accelerator.num_processes == 1:
+    one_process = trainer.accelerator.num_processes == 1  # else the other processes may be stuck: no save
+    params = trainer.trainable_parameters() if one_process else {}
+    if one_process and not non_finite_tensors({n: p.detach() for n, p in params.items()}):
         trainer.save_model(str(out), _internal_call=True)  # not a "Model save" push of a failed run
     _write_metrics(trainer, out)
     summary = {

@@ -67,7 +67,6 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     """
     with gathered(lora_parameters(trainer.transformer, OLD_ADAPTER).values()):  # ZeRO-3: every process gathers
         old = adapter_state(trainer.transformer, OLD_ADAPTER)
-    ema_state = trainer.param_ema.state_dict() if trainer.param_ema is not None else None  # FSDP2: every process
     if not trainer.args.should_save:
         return
     folder = Path(folder)
@@ -82,8 +81,8 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     if master is not None:
         old = {lora_key(n, OLD_ADAPTER): t.contiguous() for n, t in master.items()}
     save_lora_file(trainer, folder, old, OLD_POLICY_FILE)
-    if ema_state is not None:
-        ema = {lora_key(n, TRAIN_ADAPTER): t.contiguous() for n, t in ema_state.items()}
+    if trainer.param_ema is not None:
+        ema = {lora_key(n, TRAIN_ADAPTER): t.contiguous() for n, t in trainer.param_ema.state_dict().items()}
         save_lora_file(trainer, folder, ema, EMA_FILE)
         files["param_ema"] = EMA_FILE
     if trainer.balancer is not None:
@@ -276,12 +275,6 @@ def training_session(trainer: Trainer, resume_from_checkpoint=None) -> Iterator[
     write over an earlier run, pick the checkpoint to resume from (yielded: the newest *valid* one for ``True``),
     install the :class:`SaveOnSignalCallback` handlers, and write an emergency checkpoint when training raises.
     Everything is undone on exit, also on errors."""
-    if resume_from_checkpoint and trainer.is_fsdp_enabled:
-        raise NotImplementedError(
-            "Resuming under FSDP is not supported yet: the Trainer loads those checkpoints through FSDP and would "
-            "skip the old-policy adapter, the parameter EMA and the MARBLE state. Resume with DDP, DeepSpeed or a "
-            "single process, or start from the exported LoRA."
-        )
     args = trainer.args
     lock = OutputDirLock(args.output_dir) if args.should_save else None
     if lock is not None:

@@ -5,6 +5,7 @@ each ``transformers.Trainer`` hook it overrides delegates to :mod:`.checkpointin
   whole transformer, the pickled config and ``marble_trl.json``;
 - ``train``: SIGTERM / SIGINT write a checkpoint at the next step end and stop; an emergency checkpoint on a crash;
 - ``_save_checkpoint`` / ``_get_output_dir``: atomic checkpoints (written under a staging folder, then renamed);
+  ``_save_optimizer_and_scheduler``: under FSDP, no copy of the frozen transformer;
 - ``_load_from_checkpoint`` / ``_load_optimizer_and_scheduler``: exact resume, with allowed hyperparameter changes;
 - ``_load_best_model``: ``load_best_model_at_end`` restores the best checkpoint's LoRA adapters;
 - ``create_model_card`` / ``init_hf_repo`` / ``push_to_hub`` / ``_push_from_checkpoint``: a diffusers LoRA card and
@@ -77,6 +78,21 @@ class PersistenceHooks:
             record_best_checkpoint(self, base._get_output_dir(trial))  # the real folder, not the staging one
 
         save_checkpoint_atomically(self, save, model, trial)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's, except under FSDP: only the optimizer's sharded state and the scheduler, not FSDP's state
+        dict of the whole transformer (its frozen base weights, 4.2 GiB for SD3.5 Medium, are the base model's, and
+        the adapters are in the checkpoint's LoRA files, which the resume loads)."""
+        if not self.is_fsdp_enabled:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from accelerate.utils import save_fsdp_optimizer
+        from transformers.trainer import SCHEDULER_NAME
+
+        save_fsdp_optimizer(
+            self.accelerator.state.fsdp_plugin, self.accelerator, self.optimizer, self.model, output_dir
+        )
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_best_model(self) -> None:
         # load_best_model_at_end: the Trainer's version looks for a full model file; restore the LoRA adapters.

@@ -118,6 +118,8 @@ def push_trainer(
     with context:
         trainer.save_model(_internal_call=True)
         if not trainer.is_world_process_zero():
+            if trainer.shards_transformer and prompts:  # the main process's forwards need this one's shards
+                trainer.generate(prompts, seed=0)
             return None
         samples = render_trainer_samples(trainer, folder, prompts)
     trainer.create_model_card(samples=samples, weights="ema" if ema else "raw", **card_overrides)

@@ -463,6 +463,13 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             )
             log_image(self.callback_handler.callbacks, "train/samples", grid, step, caption=caption, video=video)
 
+    @property
+    def shards_transformer(self) -> bool:
+        """FSDP2 or DeepSpeed ZeRO-3: each forward of the transformer gathers its weights from every process, so every
+        process must run it (the CLI's sample grids and the Hub samples are drawn everywhere, saved by the main one)."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        return self.is_fsdp_enabled or (self.is_deepspeed_enabled and getattr(plugin, "zero_stage", 0) == 3)
+
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The trainable LoRA parameters by name."""
         return lora_parameters(self.transformer, TRAIN_ADAPTER)

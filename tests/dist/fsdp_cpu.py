@@ -3,13 +3,18 @@
 
 accelerate selects FSDP only on accelerator devices (its ``AcceleratorState`` sets ``DistributedType.FSDP`` inside
 the multi-GPU / NPU / XPU branch; CPU processes become ``MULTI_CPU``), though torch's ``fully_shard`` runs on CPU
-meshes over gloo. This shim turns a ``MULTI_CPU`` state into ``FSDP`` with the launcher's plugin, exactly what
-accelerate does on GPUs, and runs the CLI unchanged; every FSDP code path of accelerate and marble_trl then runs.
+meshes over gloo. This shim turns a ``MULTI_CPU`` state into ``FSDP`` with the launcher's plugin, which is what
+accelerate does on GPUs, and runs the CLI unchanged: every FSDP code path of accelerate and marble_trl then runs.
+
+After training, each process writes ``<output_dir>/rank<R>.json``: its balancer state and a checksum of its own
+shards of the trainable LoRA (the test compares the processes' coefficients and checks the shards are real shards).
 """
 
+import json
 import sys
+from pathlib import Path
 
-from accelerate.state import AcceleratorState
+from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 
 _init = AcceleratorState.__init__
@@ -20,11 +25,41 @@ def _init_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
     if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
         self.distributed_type = DistributedType.FSDP
         self.fsdp_plugin = fsdp_plugin
+        # Every later AcceleratorState() copies PartialState's fields over its own: FSDP there too.
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 AcceleratorState.__init__ = _init_fsdp_on_cpu
 
+
+def _dump_after_training() -> None:
+    from torch.distributed.tensor import DTensor
+
+    from marble_trl import MarbleDiffusionNFTTrainer
+
+    train = MarbleDiffusionNFTTrainer.train
+
+    def train_and_dump(self, *args, **kwargs):
+        result = train(self, *args, **kwargs)
+        params = self.trainable_parameters()
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in params.values()]
+        state = {
+            "distributed_type": str(self.accelerator.distributed_type),
+            "sharded": sum(isinstance(p, DTensor) for p in params.values()),
+            "params": len(params),
+            "local_numel": sum(t.numel() for t in local),
+            "numel": sum(p.numel() for p in params.values()),
+            "balancer": self.balancer.state_dict() if self.balancer is not None else None,
+        }
+        rank = self.accelerator.process_index
+        Path(self.args.output_dir, f"rank{rank}.json").write_text(json.dumps(state))
+        return result
+
+    MarbleDiffusionNFTTrainer.train = train_and_dump
+
+
 if __name__ == "__main__":
     from marble_trl.cli import main
 
+    _dump_after_training()
     sys.exit(main(sys.argv[1:]))
