@@ -88,14 +88,32 @@ def is_fsdp(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP
 
 
-def check_fsdp_version(accelerator) -> None:
-    """Only FSDP2 is a strategy here: FSDP1's flat parameters hide the LoRA weights the gradient engine needs."""
-    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+def configure_fsdp(accelerator) -> None:
+    """Check and adapt accelerate's FSDP plugin before the model is prepared (called in the trainer's ``__init__``).
+
+    - Only FSDP2 is a strategy here: FSDP1's flat parameters hide the LoRA weights the gradient engine needs.
+    - Under bf16 / fp16, accelerate's FSDP2 policy reduce-scatters the gradients in that dtype; here they are reduced
+      in float32, as DDP does (the adapters and their gradients are float32, ``docs/distributed.md``). The
+      forward's dtype is unchanged: the weights are gathered in bf16 / fp16, which autocast would cast them to.
+    """
+    if not is_fsdp(accelerator):
+        return
+    plugin = accelerator.state.fsdp_plugin
     version = getattr(plugin, "fsdp_version", 1)
-    if is_fsdp(accelerator) and version != 2:
+    if version != 2:
         raise ValueError(
             f"FSDP version {version} is not supported: set `fsdp_version: 2` in the accelerate config's fsdp_config "
             "(recipes/accelerate/fsdp2.yaml), or use DDP or DeepSpeed."
+        )
+    policy = plugin.mixed_precision_policy
+    if policy is not None and policy.reduce_dtype not in (None, torch.float32):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype,
+            reduce_dtype=torch.float32,
+            output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs,
         )
 
 

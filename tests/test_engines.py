@@ -366,3 +366,28 @@ def test_autocast_bf16_matches_reference() -> None:
     ref, fast = (e.buffers for e in engines)
     assert ref.dtype == fast.dtype == torch.float32
     assert ((ref - fast).norm(dim=1) / ref.norm(dim=1) < 2e-2).all()
+
+
+def test_fsdp2_shards_refuse_the_reference_engine(tmp_path):
+    """Under FSDP2 the forward computes with temporary gathered copies of the (DTensor) parameters, so gradients with
+    respect to the parameters (the reference engine) would silently be missing: refused with an error that names the
+    fix; the two-stream engine, which reads layer inputs and output gradients, is built."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        module = nn.Sequential(nn.Linear(4, 4), nn.Conv1d(1, 1, 3))
+        fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+        linear, conv = list(module[0].parameters()), list(module[1].parameters())
+        assert all(isinstance(p, DTensor) for p in linear + conv)
+        with pytest.raises(ValueError, match="FSDP2.*marble_gradient_engine='two_stream'"):
+            make_gradient_engine("reference", linear, 2, module)
+        with pytest.raises(ValueError, match=r"FSDP2 shards the parameters, and parameter 1\.weight"):
+            make_gradient_engine("auto", conv, 2, module)
+        engine = make_gradient_engine("auto", linear, 2, module)
+        assert isinstance(engine, TwoStreamGradientEngine) and engine.buffers.shape == (2, 20)  # whole shapes
+    finally:
+        dist.destroy_process_group()

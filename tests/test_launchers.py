@@ -145,8 +145,10 @@ def _assert_same_lora(out: Path, ref: Path, init: dict[str, torch.Tensor], atol:
     for s, r in zip(steps, ref_steps):
         assert s["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4)
         assert s.get("marble/refreshes") == r.get("marble/refreshes")
-        cosines = {k: v for k, v in r.items() if k.startswith("update_cos/")}
-        assert {k: s.get(k) for k in cosines} == pytest.approx(cosines, abs=1e-4)
+        # by value: the ZeRO-3 run renames the first reward (its probe)
+        cosines = lambda row: sorted(v for k, v in row.items() if k.startswith("update_cos/"))  # noqa: E731
+        if cosines(r):  # the amortised step (solved-first refreshes also log the whole step's cosines)
+            assert cosines(s) == pytest.approx(cosines(r), abs=1e-4)
     assert any(k.startswith("update_cos/") for k in ref_steps[1]), "the cosine diagnostic did not run"
 
 

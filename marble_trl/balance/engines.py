@@ -74,12 +74,20 @@ class GradientEngine(Protocol):
     def reset(self) -> None: ...
 
 
+def whole_shape(p: Tensor) -> torch.Size:
+    """A parameter's whole shape, also when it is sharded: a DeepSpeed ZeRO-3 partition (``ds_shape``; outside a
+    gather its data is empty) or an FSDP2 ``DTensor`` (whose ``shape`` is the whole one)."""
+    shape = getattr(p, "ds_shape", None)
+    return torch.Size(shape) if shape is not None else p.shape
+
+
 def unflatten(flat: Tensor, params: list[nn.Parameter]) -> list[Tensor]:
     """Views of a flat ``[P]`` vector (a buffer row, or a combined direction) shaped like ``params``, in order."""
     out, offset = [], 0
     for p in params:
-        out.append(flat[offset : offset + p.numel()].view(p.shape))  # p.shape: whole, also for a DTensor
-        offset += p.numel()
+        shape = whole_shape(p)
+        out.append(flat[offset : offset + shape.numel()].view(shape))
+        offset += shape.numel()
     return out
 
 
@@ -106,7 +114,7 @@ class _EngineBase:
         offset = 0
         for p in self.params:
             self._offsets[id(p)] = offset
-            offset += p.numel()
+            offset += whole_shape(p).numel()  # sharded parameters: sized without gathering them
         self._buffers = torch.zeros(
             num_rewards, offset, dtype=_buffer_dtype(self.params), device=self.params[0].device
         )
@@ -412,6 +420,12 @@ def find_unsupported_params(params: list[nn.Parameter], module: nn.Module) -> li
     return bad
 
 
+def _sharded_by_fsdp(params: list[nn.Parameter]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in params)
+
+
 def make_gradient_engine(
     name: str, params: list[nn.Parameter], num_rewards: int, module: nn.Module
 ) -> ReferenceGradientEngine | TwoStreamGradientEngine:
@@ -421,6 +435,15 @@ def make_gradient_engine(
     ``module`` must be the module whose forward the trainer wraps in ``capture`` (under DDP: the unwrapped model).
     """
     params = list(params)
+    if name in ENGINE_NAMES and name != "two_stream" and _sharded_by_fsdp(params):
+        unsupported = find_unsupported_params(params, module)
+        if name == "reference" or unsupported:
+            what = "marble_gradient_engine='reference'" if name == "reference" else f"parameter {unsupported[0]}"
+            raise ValueError(
+                f"FSDP2 shards the parameters, and {what} needs the reference engine, which differentiates with "
+                "respect to them (FSDP2 computes with temporary gathered copies instead). Use "
+                "marble_gradient_engine='two_stream' on plain Linear LoRA layers, or DDP / DeepSpeed."
+            )
     if name == "reference":
         return ReferenceGradientEngine(params, num_rewards)
     if name == "two_stream":

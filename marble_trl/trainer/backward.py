@@ -35,7 +35,7 @@ from ..balance import (
     unflatten,
     update_cosines,
 )
-from ..distributed import backward, full_tensor, gathered, shard_like
+from ..distributed import backward, full_tensor, shard_like
 from ..lora import use_old_policy, use_reference
 from ..nft import NFTTerms, add_noise, advantage_to_r, nft_loss, nft_loss_terms
 from .step import MicroBatch
@@ -281,9 +281,9 @@ def per_reward_engine(
     # Under DeepSpeed the update's gradient is not in .grad: the cosine diagnostics get it as one more row.
     rows = num_rewards + int(deepspeed and batch.plan.mode == "cosines")
     if engine is None or engine.num_rewards != rows:
-        params = list(trainable().values())
-        with gathered(params):  # ZeRO-3: the engine sizes its buffers from the full (gathered) parameters
-            engine = make_gradient_engine(kind, params, rows, module)
+        # Sized from the whole shapes: ZeRO-3 / FSDP2 parameters are not gathered for it (a gather between a rollout and
+        # the training passes fails under ZeRO-3: the rollout leaves parameters in use).
+        engine = make_gradient_engine(kind, list(trainable().values()), rows, module)
     if batch.index == 0:
         engine.reset()
     return engine

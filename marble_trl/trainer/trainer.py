@@ -55,8 +55,8 @@ from ..console import order_logs
 from ..data import GroupSampler
 from ..distributed import (
     check_frozen_models_not_partitioned,
-    check_fsdp_version,
     configure_deepspeed,
+    configure_fsdp,
     disable_zero3_init,
     num_train_timesteps,
 )
@@ -219,7 +219,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         if self.is_deepspeed_enabled:
             plugin_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
             configure_deepspeed(plugin_config, args, len(self.train_sigmas))
-        check_fsdp_version(self.accelerator)
+        configure_fsdp(self.accelerator)  # FSDP2 only; gradients reduced in float32
         backend = DeepSpeedBackward if self.is_deepspeed_enabled else FSDPBackward if self.is_fsdp_enabled else None
         self._backward = (backend or PlainBackward)(self.accelerator)
         self._loss_settings = LossSettings(args.nft_beta, args.beta, args.adv_clip_max, args.marble_refresh_update)
