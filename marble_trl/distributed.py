@@ -92,9 +92,11 @@ def configure_fsdp(accelerator) -> None:
     """Check and adapt accelerate's FSDP plugin before the model is prepared (called in the trainer's ``__init__``).
 
     - Only FSDP2 is a strategy here: FSDP1's flat parameters hide the LoRA weights the gradient engine needs.
-    - Under bf16 / fp16, accelerate's FSDP2 policy reduce-scatters the gradients in that dtype; here they are reduced
-      in float32, as DDP does (the adapters and their gradients are float32, ``docs/distributed.md``). The
-      forward's dtype is unchanged: the weights are gathered in bf16 / fp16, which autocast would cast them to.
+    - Under bf16 / fp16, accelerate's FSDP2 policy casts every parameter and every forward input to that dtype and
+      reduce-scatters the gradients in it. Cast inputs include the timestep (SD3's ``1000 sigma`` in bf16 is off
+      by up to 2), and the float32 LoRA and norms would compute in bf16. Here the parameters are gathered in their
+      own dtypes, the inputs are left alone and autocast decides, as under DDP, and the gradients are reduced in
+      float32 (the adapters are float32, ``docs/distributed.md``).
     """
     if not is_fsdp(accelerator):
         return
@@ -105,16 +107,10 @@ def configure_fsdp(accelerator) -> None:
             f"FSDP version {version} is not supported: set `fsdp_version: 2` in the accelerate config's fsdp_config "
             "(recipes/accelerate/fsdp2.yaml), or use DDP or DeepSpeed."
         )
-    policy = plugin.mixed_precision_policy
-    if policy is not None and policy.reduce_dtype not in (None, torch.float32):
+    if plugin.mixed_precision_policy is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        plugin.mixed_precision_policy = MixedPrecisionPolicy(
-            param_dtype=policy.param_dtype,
-            reduce_dtype=torch.float32,
-            output_dtype=policy.output_dtype,
-            cast_forward_inputs=policy.cast_forward_inputs,
-        )
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
 
 
 def reshard(module: torch.nn.Module) -> None:

@@ -125,3 +125,33 @@ def test_two_processes_evaluate_and_log_sources_like_one(tmp_path):
         assert train_two[key] == pytest.approx(train_one[key], abs=1e-5), key
     assert "rewards/texty/plain/mean" not in train_one
     assert (tmp_path / "two" / "eval" / "step-1.png").is_file()
+
+
+def test_fsdp_plugin_is_checked_and_keeps_dtypes():
+    """FSDP1 is refused with the fix; an FSDP2 mixed-precision policy (accelerate's, when its config says bf16) is
+    replaced by one that gathers every parameter in its own dtype, leaves the inputs (the timestep) alone and reduces
+    the gradients in float32; other strategies are left alone."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from marble_trl.distributed import configure_fsdp
+
+    def accelerator(version, policy=None, kind=DistributedType.FSDP):
+        plugin = SimpleNamespace(fsdp_version=version, mixed_precision_policy=policy)
+        return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin))
+
+    with pytest.raises(ValueError, match="fsdp_version: 2"):
+        configure_fsdp(accelerator(1))
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
+    acc = accelerator(2, bf16)
+    configure_fsdp(acc)
+    policy = acc.state.fsdp_plugin.mixed_precision_policy
+    assert policy.param_dtype is None and policy.output_dtype is None and policy.reduce_dtype == torch.float32
+    none = accelerator(2)
+    configure_fsdp(none)
+    assert none.state.fsdp_plugin.mixed_precision_policy is None  # nothing to change: FSDP2 keeps each dtype
+    ddp = accelerator(1, bf16, DistributedType.MULTI_GPU)
+    configure_fsdp(ddp)  # not FSDP: untouched, no error
+    assert ddp.state.fsdp_plugin.mixed_precision_policy is bf16
