@@ -57,6 +57,7 @@ def test_recipes_exist():
         "deepspeed_zero2.yaml",
         "deepspeed_zero3.yaml",
         "deepspeed_zero3_offload.yaml",
+        "fsdp2.yaml",
         "multi_node.yaml",
     ):
         assert required in configs, f"recipes/accelerate/{required} is missing"
