@@ -88,7 +88,7 @@ def is_fsdp(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP
 
 
-def configure_fsdp(accelerator) -> None:
+def configure_fsdp(accelerator, args) -> None:
     """Check and adapt accelerate's FSDP plugin before the model is prepared (called in the trainer's ``__init__``).
 
     - Only FSDP2 is a strategy here: FSDP1's flat parameters hide the LoRA weights the gradient engine needs.
@@ -106,6 +106,13 @@ def configure_fsdp(accelerator) -> None:
         raise ValueError(
             f"FSDP version {version} is not supported: set `fsdp_version: 2` in the accelerate config's fsdp_config "
             "(recipes/accelerate/fsdp2.yaml), or use DDP or DeepSpeed."
+        )
+    if getattr(args, "log_update_cosines", False):
+        # Measured on the tiny recipe: after a forward before training (the CLI's sample grid), the cosine steps
+        # lost the root unit's LoRA gradient (grad_norm 0.0021 against 0.0267); not understood yet, so refused.
+        raise ValueError(
+            "log_update_cosines=True is not supported under FSDP2 yet (docs/distributed.md#fsdp2): set "
+            "log_update_cosines false, or use DDP or DeepSpeed for the diagnostic."
         )
     if plugin.mixed_precision_policy is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
