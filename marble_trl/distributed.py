@@ -88,7 +88,7 @@ def is_fsdp(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP
 
 
-def configure_fsdp(accelerator, args) -> None:
+def configure_fsdp(accelerator) -> None:
     """Check and adapt accelerate's FSDP plugin before the model is prepared (called in the trainer's ``__init__``).
 
     - Only FSDP2 is a strategy here: FSDP1's flat parameters hide the LoRA weights the gradient engine needs.
@@ -107,13 +107,6 @@ def configure_fsdp(accelerator, args) -> None:
             f"FSDP version {version} is not supported: set `fsdp_version: 2` in the accelerate config's fsdp_config "
             "(recipes/accelerate/fsdp2.yaml), or use DDP or DeepSpeed."
         )
-    if getattr(args, "log_update_cosines", False):
-        # Measured on the tiny recipe: after a forward before training (the CLI's sample grid), the cosine steps
-        # lost the root unit's LoRA gradient (grad_norm 0.0021 against 0.0267); not understood yet, so refused.
-        raise ValueError(
-            "log_update_cosines=True is not supported under FSDP2 yet (docs/distributed.md#fsdp2): set "
-            "log_update_cosines false, or use DDP or DeepSpeed for the diagnostic."
-        )
     if plugin.mixed_precision_policy is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -130,6 +123,19 @@ def reshard(module: torch.nn.Module) -> None:
         for m in module.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
+
+
+def root_unit_parameters(module: torch.nn.Module, params: Iterable[torch.nn.Parameter]) -> list[int]:
+    """FSDP2: the indices in ``params`` of the parameters held by ``module``'s own (root) unit rather than by a child
+    unit (a wrapped block). Empty when ``module`` is not an FSDP module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(module, FSDPModule):
+        return []
+    in_child = {
+        id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()
+    }
+    return [i for i, p in enumerate(params) if id(p) not in in_child]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

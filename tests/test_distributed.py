@@ -128,7 +128,7 @@ def test_two_processes_evaluate_and_log_sources_like_one(tmp_path):
 
 
 def test_fsdp_plugin_is_checked_and_keeps_dtypes():
-    """FSDP1 and FSDP2's cosine diagnostic are refused with the fix; an FSDP2 mixed-precision policy (accelerate's, when its config says bf16) is
+    """FSDP1 is refused with the fix; an FSDP2 mixed-precision policy (accelerate's, when its config says bf16) is
     replaced by one that gathers every parameter in its own dtype, leaves the inputs (the timestep) alone and reduces
     the gradients in float32; other strategies are left alone."""
     from types import SimpleNamespace
@@ -142,19 +142,16 @@ def test_fsdp_plugin_is_checked_and_keeps_dtypes():
         plugin = SimpleNamespace(fsdp_version=version, mixed_precision_policy=policy)
         return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin))
 
-    args = SimpleNamespace(log_update_cosines=False)
     with pytest.raises(ValueError, match="fsdp_version: 2"):
-        configure_fsdp(accelerator(1), args)
-    with pytest.raises(ValueError, match="set log_update_cosines false"):
-        configure_fsdp(accelerator(2), SimpleNamespace(log_update_cosines=True))
+        configure_fsdp(accelerator(1))
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.bfloat16)
     acc = accelerator(2, bf16)
-    configure_fsdp(acc, args)
+    configure_fsdp(acc)
     policy = acc.state.fsdp_plugin.mixed_precision_policy
     assert policy.param_dtype is None and policy.output_dtype is None and policy.reduce_dtype == torch.float32
     none = accelerator(2)
-    configure_fsdp(none, args)
+    configure_fsdp(none)
     assert none.state.fsdp_plugin.mixed_precision_policy is None  # nothing to change: FSDP2 keeps each dtype
     ddp = accelerator(1, bf16, DistributedType.MULTI_GPU)
-    configure_fsdp(ddp, args)  # not FSDP: untouched, no error
+    configure_fsdp(ddp)  # not FSDP: untouched, no error
     assert ddp.state.fsdp_plugin.mixed_precision_policy is bf16

@@ -371,7 +371,7 @@ def test_autocast_bf16_matches_reference() -> None:
 def test_fsdp2_shards_refuse_the_reference_engine(tmp_path):
     """Under FSDP2 the forward computes with temporary gathered copies of the (DTensor) parameters, so gradients with
     respect to the parameters (the reference engine) would silently be missing: refused with an error that names the
-    fix; the two-stream engine, which reads layer inputs and output gradients, is built."""
+    fix, as are parameters of the root unit; the two-stream engine over the blocks' parameters is built."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -379,9 +379,12 @@ def test_fsdp2_shards_refuse_the_reference_engine(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        module = nn.Sequential(nn.Linear(4, 4), nn.Conv1d(1, 1, 3))
-        fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
-        linear, conv = list(module[0].parameters()), list(module[1].parameters())
+        mesh = init_device_mesh("cpu", (1,))
+        module = nn.Sequential(nn.Linear(4, 4), nn.Conv1d(1, 1, 3), nn.Linear(4, 4))
+        for child in module[:2]:
+            fully_shard(child, mesh=mesh)  # the "blocks"; module[2] stays in the root unit
+        fully_shard(module, mesh=mesh)
+        linear, conv, root = (list(module[i].parameters()) for i in range(3))
         assert all(isinstance(p, DTensor) for p in linear + conv)
         with pytest.raises(ValueError, match="FSDP2.*marble_gradient_engine='two_stream'"):
             make_gradient_engine("reference", linear, 2, module)
@@ -389,5 +392,9 @@ def test_fsdp2_shards_refuse_the_reference_engine(tmp_path):
             make_gradient_engine("auto", conv, 2, module)
         engine = make_gradient_engine("auto", linear, 2, module)
         assert isinstance(engine, TwoStreamGradientEngine) and engine.buffers.shape == (2, 20)  # whole shapes
+        # the root unit's parameters: their gradient is not reduce-scattered after the engine's passes (measured on
+        # the tiny recipe with a proj_out LoRA), so they are refused with the fix
+        with pytest.raises(ValueError, match=r"2\.weight \(\+1 more\) is held by the root unit.*lora_target_modules"):
+            make_gradient_engine("two_stream", [*linear, *root], 2, module)
     finally:
         dist.destroy_process_group()

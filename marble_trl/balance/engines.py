@@ -40,6 +40,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from ..distributed import root_unit_parameters
+
 logger = logging.getLogger(__name__)
 
 ENGINE_NAMES = ("auto", "reference", "two_stream")
@@ -435,6 +437,16 @@ def make_gradient_engine(
     ``module`` must be the module whose forward the trainer wraps in ``capture`` (under DDP: the unwrapped model).
     """
     params = list(params)
+    root = root_unit_parameters(module, params)
+    if root:
+        names = {id(p): n for n, p in module.named_parameters()}
+        raise ValueError(
+            f"Under FSDP2, {names.get(id(params[root[0]]), 'a trainable parameter')} (+{len(root) - 1} more) is held by "
+            "the root unit, outside the wrapped transformer blocks, and the per-reward engine's backward passes leave "
+            "the root's gradient without its reduce-scatter. Target "
+            "LoRA modules inside the blocks only (lora_target_modules; e.g. the attention projections, as the SD3.5 "
+            "recipes do), or use DDP / DeepSpeed."
+        )
     if name in ENGINE_NAMES and name != "two_stream" and _sharded_by_fsdp(params):
         unsupported = find_unsupported_params(params, module)
         if name == "reference" or unsupported:

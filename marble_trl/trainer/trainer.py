@@ -219,7 +219,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         if self.is_deepspeed_enabled:
             plugin_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
             configure_deepspeed(plugin_config, args, len(self.train_sigmas))
-        configure_fsdp(self.accelerator, args)  # FSDP2 only; gradients reduced in float32
+        configure_fsdp(self.accelerator)  # FSDP2 only; gradients reduced in float32
         backend = DeepSpeedBackward if self.is_deepspeed_enabled else FSDPBackward if self.is_fsdp_enabled else None
         self._backward = (backend or PlainBackward)(self.accelerator)
         self._loss_settings = LossSettings(args.nft_beta, args.beta, args.adv_clip_max, args.marble_refresh_update)
