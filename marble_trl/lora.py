@@ -234,7 +234,8 @@ class LoraEMA:
     evaluation and export only; never used in the loss."""
 
     def __init__(self, transformer: nn.Module) -> None:
-        self.shadow = {n: p.detach().float().clone() for n, p in lora_parameters(transformer, TRAIN_ADAPTER).items()}
+        params = lora_parameters(transformer, TRAIN_ADAPTER)
+        self.shadow = {n: full_tensor(p.detach()).float().clone() for n, p in params.items()}  # FSDP2: gathered
 
     @torch.no_grad()
     def update(self, transformer: nn.Module, decay: float) -> None:

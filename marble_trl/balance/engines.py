@@ -442,10 +442,9 @@ def make_gradient_engine(
         names = {id(p): n for n, p in module.named_parameters()}
         raise ValueError(
             f"Under FSDP2, {names.get(id(params[root[0]]), 'a trainable parameter')} (+{len(root) - 1} more) is held by "
-            "the root unit, outside the wrapped transformer blocks, and the per-reward engine's backward passes leave "
-            "the root's gradient without its reduce-scatter. Target "
-            "LoRA modules inside the blocks only (lora_target_modules; e.g. the attention projections, as the SD3.5 "
-            "recipes do), or use DDP / DeepSpeed."
+            "the root unit (the trainer makes each LoRA layer outside the wrapped blocks a unit of its own; this one "
+            "was not), and the per-reward engine's backward passes leave the root's gradient without its "
+            "reduce-scatter. Target other modules (lora_target_modules), or use DDP / DeepSpeed."
         )
     if name in ENGINE_NAMES and name != "two_stream" and _sharded_by_fsdp(params):
         unsupported = find_unsupported_params(params, module)

@@ -59,6 +59,7 @@ from ..distributed import (
     configure_fsdp,
     disable_zero3_init,
     num_train_timesteps,
+    shard_lora_layers_outside_blocks,
 )
 from ..guards import NonFiniteGuard
 from ..lora import TRAIN_ADAPTER, LoraEMA, OldPolicy, add_policy_adapters, lora_parameters, use_old_policy
@@ -384,6 +385,13 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             self._metrics[key].append(value)
 
     # ------------------------------------------------------------------ the NFT loss
+    def _prepare_for_training(self, *args, **kwargs):
+        # FSDP2: the LoRA layers outside the blocks become units of their own just before accelerate wraps the rest
+        # (marble_trl.distributed); forwards before this point (the CLI's sample grid) run on the plain module.
+        if self.is_fsdp_enabled:
+            shard_lora_layers_outside_blocks(self.transformer, self.accelerator)
+        return super()._prepare_for_training(*args, **kwargs)
+
     def training_step(self, model, inputs: MicroBatch, num_items_in_batch=None) -> torch.Tensor:
         """The NFT loss of one micro-batch, summed over its training timesteps (each a forward/backward:
         :func:`~marble_trl.trainer.backward.micro_batch_loss`); after the step's last micro-batch, MARBLE's refresh or

@@ -6,8 +6,8 @@ the multi-GPU / NPU / XPU branch; CPU processes become ``MULTI_CPU``), though to
 meshes over gloo. This shim turns a ``MULTI_CPU`` state into ``FSDP`` with the launcher's plugin, which is what
 accelerate does on GPUs, and runs the CLI unchanged: every FSDP code path of accelerate and marble_trl then runs.
 
-After training, each process writes ``<output_dir>/rank<R>.json``: its balancer state and a checksum of its own
-shards of the trainable LoRA (the test compares the processes' coefficients and checks the shards are real shards).
+After training, each process writes ``<output_dir>/rank<R>.json``: its balancer state, the sizes of its own shards
+of the trainable LoRA and whether the root-level ``proj_out`` LoRA layer is an FSDP unit of its own.
 """
 
 import json
@@ -33,6 +33,7 @@ AcceleratorState.__init__ = _init_fsdp_on_cpu
 
 
 def _dump_after_training() -> None:
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from marble_trl import MarbleDiffusionNFTTrainer
@@ -50,6 +51,7 @@ def _dump_after_training() -> None:
             "local_numel": sum(t.numel() for t in local),
             "numel": sum(p.numel() for p in params.values()),
             "balancer": self.balancer.state_dict() if self.balancer is not None else None,
+            "proj_out_unit": isinstance(getattr(self.transformer, "proj_out", None), FSDPModule),
         }
         rank = self.accelerator.process_index
         Path(self.args.output_dir, f"rank{rank}.json").write_text(json.dumps(state))
