@@ -113,21 +113,33 @@ def configure_fsdp(accelerator) -> None:
         plugin.mixed_precision_policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is an FSDP2 shard (a ``DTensor``)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def is_fsdp_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 unit (``fully_shard`` has wrapped it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
 def reshard(module: torch.nn.Module) -> None:
     """FSDP2: put every FSDP module of ``module`` in its sharded state (nothing for other modules). A forward leaves
     the root module's parameters gathered (torch's default for the root), and then the module holds whole temporary
     tensors instead of the sharded parameters the optimizer updates; read or write parameters only after this."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(module, FSDPModule):
+    if is_fsdp_module(module):
         for m in module.modules():
-            if isinstance(m, FSDPModule):
+            if is_fsdp_module(m):
                 m.reshard()
 
 
-def shard_lora_layers_outside_blocks(transformer: torch.nn.Module, accelerator) -> list[str]:
+def shard_lora_layers_outside_blocks(transformer: torch.nn.Module, accelerator) -> None:
     """FSDP2: make every LoRA layer outside the blocks accelerate will wrap its own FSDP unit, before accelerate wraps
-    the rest; returns their names.
+    the rest.
 
     Left to accelerate, such a layer (SD3's root-level ``proj_out``, say) joins the root unit, and after the per-reward
     engine's backward passes FSDP left the root's gradient without its reduce-scatter (the cosine steps of the tiny
@@ -135,16 +147,16 @@ def shard_lora_layers_outside_blocks(transformer: torch.nn.Module, accelerator) 
     like a block. The blocks are accelerate's: the plugin's ``transformer_cls_names_to_wrap``, else the model's
     ``_no_split_modules``."""
     from peft.tuners.tuners_utils import BaseTunerLayer
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     plugin = accelerator.state.fsdp_plugin
     blocks = set(plugin.transformer_cls_names_to_wrap or getattr(transformer, "_no_split_modules", None) or [])
     block_names = [n for n, m in transformer.named_modules() if type(m).__name__ in blocks]
     outside = [
-        (name, m)
+        m
         for name, m in transformer.named_modules()
         if isinstance(m, BaseTunerLayer)
-        and not isinstance(m, FSDPModule)
+        and not is_fsdp_module(m)
         and not any(name.startswith(b + ".") for b in block_names)
     ]
     kwargs = {
@@ -152,41 +164,30 @@ def shard_lora_layers_outside_blocks(transformer: torch.nn.Module, accelerator) 
         "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
         "offload_policy": plugin.cpu_offload,
     }
-    for _, module in outside:
+    for module in outside:
         fully_shard(module, **kwargs)
-    return [name for name, _ in outside]
 
 
 def root_unit_parameters(module: torch.nn.Module, params: Iterable[torch.nn.Parameter]) -> list[int]:
     """FSDP2: the indices in ``params`` of the parameters held by ``module``'s own (root) unit rather than by a child
     unit (a wrapped block). Empty when ``module`` is not an FSDP module."""
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(module, FSDPModule):
+    if not is_fsdp_module(module):
         return []
-    in_child = {
-        id(p) for m in module.modules() if m is not module and isinstance(m, FSDPModule) for p in m.parameters()
-    }
+    in_child = {id(p) for m in module.modules() if m is not module and is_fsdp_module(m) for p in m.parameters()}
     return [i for i, p in enumerate(params) if id(p) not in in_child]
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole value of ``t``: an FSDP2 ``DTensor`` is all-gathered (every process must call this), any other
     tensor is returned as it is."""
-    return t.full_tensor() if _is_dtensor(t) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``value`` (a whole tensor, the same on every process) laid out like ``like``: this process's shard as a
     ``DTensor`` when ``like`` is one (no communication), else ``value`` itself; on ``like``'s device and dtype."""
     value = value.to(device=like.device, dtype=like.dtype)
-    if not _is_dtensor(like):
+    if not is_dtensor(like):
         return value
     from torch.distributed.tensor import distribute_tensor
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .distributed import copy_full_, full_tensor, gathered, reshard
+from .distributed import copy_full_, full_tensor, gathered, is_fsdp_module, reshard
 
 TRAIN_ADAPTER = "default"
 OLD_ADAPTER = "old"
@@ -81,12 +81,6 @@ def _trainable_flags(transformer: nn.Module) -> list[tuple[nn.Parameter, bool]]:
     return [(p, f".{TRAIN_ADAPTER}." in n and "lora_" in n) for n, p in transformer.named_parameters()]
 
 
-def _is_fsdp_module(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
 class _Switch:
     """The transformer's peft LoRA layers and the trainable flag of every parameter, found once: switching adapters
     then costs one call per LoRA layer. Rebuilt when the set of adapters (``peft_config``) changes."""
@@ -98,18 +92,15 @@ class _Switch:
         self.layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
         # FSDP2 swaps the registered parameters (sharded / gathered, and new ones when it wraps the model): there the
         # flags are restored on whatever the module holds at the time, never on a cached list.
-        self.transformer = transformer if _is_fsdp_module(transformer) else None
-        self.trainable = [] if self.transformer is not None else _trainable_flags(transformer)
+        self.transformer = transformer
+        self.fsdp = is_fsdp_module(transformer)
+        self.trainable = None if self.fsdp else _trainable_flags(transformer)
 
     @classmethod
     def of(cls, transformer: nn.Module) -> _Switch:
         switch = transformer.__dict__.get("_marble_adapter_switch")
         adapters = tuple(getattr(transformer, "peft_config", {}))
-        if (
-            switch is None
-            or switch.adapters != adapters
-            or (switch.transformer is None) == _is_fsdp_module(transformer)
-        ):
+        if switch is None or switch.adapters != adapters or switch.fsdp != is_fsdp_module(transformer):
             switch = cls(transformer)
             transformer.__dict__["_marble_adapter_switch"] = switch  # a plain attribute: not a submodule
         return switch
@@ -123,7 +114,7 @@ class _Switch:
             layer.enable_adapters(enabled)
 
     def restore_trainable(self) -> None:
-        for param, flag in self.trainable or _trainable_flags(self.transformer):
+        for param, flag in self.trainable if self.trainable is not None else _trainable_flags(self.transformer):
             if param.requires_grad != flag:
                 param.requires_grad_(flag)
 

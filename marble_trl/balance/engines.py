@@ -40,7 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from ..distributed import root_unit_parameters
+from ..distributed import is_dtensor, root_unit_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -422,12 +422,6 @@ def find_unsupported_params(params: list[nn.Parameter], module: nn.Module) -> li
     return bad
 
 
-def _sharded_by_fsdp(params: list[nn.Parameter]) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in params)
-
-
 def make_gradient_engine(
     name: str, params: list[nn.Parameter], num_rewards: int, module: nn.Module
 ) -> ReferenceGradientEngine | TwoStreamGradientEngine:
@@ -446,7 +440,7 @@ def make_gradient_engine(
             "was not), and the per-reward engine's backward passes leave the root's gradient without its "
             "reduce-scatter. Target other modules (lora_target_modules), or use DDP / DeepSpeed."
         )
-    if name in ENGINE_NAMES and name != "two_stream" and _sharded_by_fsdp(params):
+    if name in ENGINE_NAMES and name != "two_stream" and any(is_dtensor(p) for p in params):
         unsupported = find_unsupported_params(params, module)
         if name == "reference" or unsupported:
             what = "marble_gradient_engine='reference'" if name == "reference" else f"parameter {unsupported[0]}"

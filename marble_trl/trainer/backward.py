@@ -104,13 +104,19 @@ class PlainBackward:
             backward(self.accelerator, loss * scale, last_of_micro_batch=last)
         return v_theta, terms, loss
 
+    def average_buffers(self, buffers: torch.Tensor) -> None:
+        """Average the per-reward buffers over the processes."""
+        world = self.accelerator.num_processes
+        if world > 1:
+            torch.distributed.all_reduce(buffers)
+            buffers.div_(world)
+
     def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
         """Average the per-reward buffers and the update's ``.grad`` over the processes (DDP was bypassed)."""
         world = self.accelerator.num_processes
         if world == 1:
             return
-        torch.distributed.all_reduce(buffers)
-        buffers.div_(world)
+        self.average_buffers(buffers)
         for p in params:
             if p.grad is not None:
                 torch.distributed.all_reduce(p.grad)
@@ -145,11 +151,7 @@ class DeepSpeedBackward(PlainBackward):
         return self._ordinary(model, forward, scale, last)
 
     def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-        # DeepSpeed has reduced (and applied) the update's gradient itself: only the buffers.
-        world = self.accelerator.num_processes
-        if world > 1:
-            torch.distributed.all_reduce(buffers)
-            buffers.div_(world)
+        self.average_buffers(buffers)  # DeepSpeed has reduced (and applied) the update's gradient itself
 
     def update_and_rows(self, buffers, params):
         return buffers[-1].float(), buffers[:-1]  # the update's gradient without the KL term: the engine's last row
@@ -162,10 +164,7 @@ class FSDPBackward(PlainBackward):
     """FSDP2: ``.grad`` holds this process's shard of the averaged gradient (FSDP reduce-scatters it in the backward)."""
 
     def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-        world = self.accelerator.num_processes
-        if world > 1:  # the update's .grad is reduced already: only the per-reward buffers
-            torch.distributed.all_reduce(buffers)
-            buffers.div_(world)
+        self.average_buffers(buffers)  # FSDP has reduce-scattered the update's .grad itself
 
     def update_and_rows(self, buffers, params):
         # Every process gathers the whole gradient (the cosines are computed alike everywhere).

@@ -221,8 +221,10 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             plugin_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
             configure_deepspeed(plugin_config, args, len(self.train_sigmas))
         configure_fsdp(self.accelerator)  # FSDP2 only; gradients reduced in float32
-        backend = DeepSpeedBackward if self.is_deepspeed_enabled else FSDPBackward if self.is_fsdp_enabled else None
-        self._backward = (backend or PlainBackward)(self.accelerator)
+        backend = (
+            DeepSpeedBackward if self.is_deepspeed_enabled else FSDPBackward if self.is_fsdp_enabled else PlainBackward
+        )
+        self._backward = backend(self.accelerator)
         self._loss_settings = LossSettings(args.nft_beta, args.beta, args.adv_clip_max, args.marble_refresh_update)
         self.param_ema = LoraEMA(transformer) if args.param_ema else None
         self.old_policy = OldPolicy()
