@@ -111,6 +111,10 @@ def check_fields(self) -> None:
         f"marble_refresh_interval must be >= 1, got {self.marble_refresh_interval}.",
     )
     need(
+        self.log_update_cosines_interval >= 1,
+        f"log_update_cosines_interval must be >= 1 (1 = every step), got {self.log_update_cosines_interval}.",
+    )
+    need(
         self.marble_gradient_engine in ("auto", "two_stream", "reference"),
         f"marble_gradient_engine must be 'auto', 'two_stream' or 'reference', got {self.marble_gradient_engine!r}.",
     )

@@ -291,6 +291,13 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             "per-reward gradient pass per step)."
         },
     )
+    log_update_cosines_interval: int = field(
+        default=1,
+        metadata={
+            "help": "With log_update_cosines, compute the diagnostic only on steps whose global step is a multiple of "
+            "this (1 = every step); training is unchanged and the diagnostic's cost falls by this factor."
+        },
+    )
 
     # --- parameter EMA ---
     param_ema: bool = field(

@@ -47,6 +47,7 @@ INVALID = [
     ("adv_clip_max", 0.0),
     ("reward_weights", [1.0, float("inf")]),
     ("marble_refresh_interval", 0),
+    ("log_update_cosines_interval", 0),
     ("marble_gradient_engine", "fast"),
     ("marble_refresh_update", "both"),
     ("marble_uniform_final_steps", -1),

@@ -151,6 +151,15 @@ def test_update_cosines_are_logged_without_changing_training(tmp_path, aggregati
             assert h["update_cos/worst"] == pytest.approx(min(cos))
             assert h["update_cos/conflict"] == float(min(cos) < 0)
             assert math.isnan(h["update_cos/constant"])  # no signal in any group: left out
+    if aggregation == "marble":
+        return
+    # log_update_cosines_interval: only on steps whose global step (0-based) is a multiple of it, same training.
+    sparse, lora_sparse = _lora_after(
+        tmp_path, "sparse", rewards, log_update_cosines=True, log_update_cosines_interval=2, **common
+    )
+    assert [h["step"] for h in sparse.state.log_history if "update_cos/worst" in h] == [1, 3]
+    for name in lora_plain:
+        torch.testing.assert_close(lora_sparse[name], lora_plain[name], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize(

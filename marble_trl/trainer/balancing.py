@@ -16,6 +16,12 @@ class BalancingHooks:
     """``_engine_for`` / ``_finish_engine_step`` around a micro-batch's loss, ``_solve_first`` before the step's first
     one, ``_undo_refresh_if_skipped`` after the optimizer step."""
 
+    @property
+    def _update_cosines_this_step(self) -> bool:
+        """Whether this step computes the cosine diagnostic (``log_update_cosines`` every ``..._interval`` steps)."""
+        args = self.args
+        return args.log_update_cosines and self.state.global_step % args.log_update_cosines_interval == 0
+
     def _engine_for(self, batch: MicroBatch):
         """The per-reward gradient engine on refresh / cosine steps (built on first use), else ``None``."""
         if batch.plan.needs_engine or batch.plan.mode == "solve_first":
@@ -46,7 +52,7 @@ class BalancingHooks:
             subset=self.args.marble_refresh_subset,
             balancer=self.balancer,
             world=self.accelerator.num_processes,
-            log_update_cosines=self.args.log_update_cosines,
+            log_update_cosines=self._update_cosines_this_step,
         )
         if result.skipped:
             self.nonfinite_guard.flag(result.skipped)

@@ -357,7 +357,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             adv.combined,
             self.balancer,
             self.state.global_step,
-            log_update_cosines=args.log_update_cosines,
+            log_update_cosines=self._update_cosines_this_step,
             adv_clip_max=args.adv_clip_max,
             solve_first=args.marble_refresh_update == "gradient"
             and (args.marble_refresh_subset > 0 or self.is_deepspeed_enabled),
