@@ -9,6 +9,7 @@ the fraction of groups with no spread (no signal), against the evaluation noise 
 
     python benchmarks/shapesbench_diagnosis.py --out outputs/shapes-diagnosis [--rewards color count position]
         [--factors baseline steps60 ...] [--seeds 0]
+    python benchmarks/shapesbench_diagnosis.py --v2 --out outputs/probes-v2 [--factors ff p2s120 ...]
 
 Each (reward, factor, seed) writes ``<out>/<reward>-<factor>-seed<k>.json`` and is skipped when it exists
 (resumable). ``--table`` prints the markdown table from the records.
@@ -50,6 +51,16 @@ FACTORS: dict[str, tuple[dict, dict]] = {
     "scale_batch": ({}, {"scale_rewards": "batch"}),
     "nft_beta0.1": ({"nft_beta": 0.1}, {}),
     "big": ({"steps": 60, "prompts_per_step": 16}, {}),
+}
+# v2 probes: the benchmark's own budget (``Budget()``: 60 steps x 4 prompts x 8 images, KL 1e-4) and held-out
+# protocol (``bench.evaluate``), one factor changed; ``control`` is Table 1's ``only_<reward>`` row.
+FF_TARGETS = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
+V2_FACTORS: dict[str, tuple[dict, dict]] = {
+    "control": ({}, {}),
+    "ff": ({}, {"lora_target_modules": [*LORA_TARGETS, *FF_TARGETS]}),
+    "steps120": ({"steps": 120}, {}),
+    "p2s120": ({"steps": 120, "prompts_per_step": 2}, {}),  # the same images as the control, in twice the steps
+    "p1s240": ({"steps": 240, "prompts_per_step": 1}, {}),
 }
 EVAL_PROMPTS_PER_FAMILY = 12  # held-out captions of the family (all of them for color / count: 12 each)
 EVAL_IMAGES_PER_PROMPT = 8
@@ -116,6 +127,40 @@ def run(reward: str, factor: str, seed: int, model: str, out: Path) -> dict:
     return record
 
 
+def run_v2(reward: str, factor: str, seed: int, model: str, out: Path) -> dict:
+    """One v2 probe: ``only_<reward>`` on its family with the benchmark's budget and one factor changed; writes
+    ``<out>/runs/only_<reward>-<factor>-seed<k>.json`` (a ShapesBench run record, every reward held out)."""
+    from marble_trl.shapesbench.bench import run_one
+
+    name = f"only_{reward}-{factor}"
+    path = out / "runs" / f"{name}-seed{seed}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    changes, overrides = V2_FACTORS[factor]
+    method = Method(name, (reward,), overrides=overrides, family=reward)
+    return run_one(method, seed, dataclasses.replace(Budget(), **changes), model, out)
+
+
+def table_v2(out: Path, base_record: Path) -> str:
+    """The v2 probes' held-out score of the trained reward against the base (from a benchmark run record's
+    ``base_eval``, e.g. ``benchmarks/results/shapesbench-v2/runs/weighted_sum-seed0.json``)."""
+    base = json.loads(base_record.read_text())
+    lines = [
+        "| reward | factor | seed | held-out | vs base | steps x prompts | train s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in sorted((out / "runs").glob("only_*-seed*.json")):
+        r = json.loads(p.read_text())
+        reward, b = r["rewards"][0], r["budget"]
+        factor = r["method"].split("-", 1)[1] if "-" in r["method"] else "control"
+        gain = r["eval"][reward] - base["base_eval"][reward]
+        lines.append(
+            f"| {reward} | {factor} | {r['seed']} | {r['eval'][reward]:.3f} ± {r['eval_sem'][reward]:.3f} | "
+            f"{gain:+.3f} | {b['steps']} x {b['prompts_per_step']} | {r['train_seconds']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 def table(out: Path) -> str:
     records = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     base = {r["reward"]: r for r in records if r["factor"] == "baseline"}
@@ -147,13 +192,28 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--model", default=None, help="base pipeline folder (default: the cached ShapesBench base)")
     p.add_argument("--table", action="store_true", help="print the table of the records in --out and exit")
+    p.add_argument("--v2", action="store_true", help="the v2 probes (V2_FACTORS, the benchmark's budget)")
+    p.add_argument(
+        "--base-record",
+        default="benchmarks/results/shapesbench-v2/runs/weighted_sum-seed0.json",
+        help="with --v2 --table: a benchmark run record whose base_eval is the base",
+    )
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.table:
-        print(table(out))
+        print(table_v2(out, Path(a.base_record)) if a.v2 else table(out))
         return
     model = a.model or str(pretrain(PretrainConfig()))
+    if a.v2:
+        torch.set_num_threads(1)
+        for factor in a.factors if a.factors != list(FACTORS) else list(V2_FACTORS)[1:]:
+            for reward in a.rewards:
+                for seed in a.seeds:
+                    r = run_v2(reward, factor, seed, model, out)
+                    print(f"{reward} {factor} seed {seed}: {r['eval'][reward]:.3f}", flush=True)
+        print(table_v2(out, Path(a.base_record)))
+        return
     for factor in a.factors:
         for reward in a.rewards:
             for seed in a.seeds:

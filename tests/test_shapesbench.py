@@ -143,6 +143,16 @@ def test_methods_catalogue_and_stage_schedule():
     assert methods["stress_marble"].rewards == ("sharpness", "compressibility", "color", "count", "position")
 
 
+def test_a_methods_overrides_win_over_the_budgets_settings(tmp_path):
+    from marble_trl.shapesbench.bench import LORA_TARGETS, Budget, _config
+    from marble_trl.shapesbench.methods import Method
+
+    targets = [*LORA_TARGETS, "ff.net.2"]
+    method = Method("probe", ("color",), overrides={"lora_target_modules": targets, "beta": 0.0})
+    args = _config(method, 0, Budget(), str(tmp_path))
+    assert args.lora_target_modules == targets and args.beta == 0.0 and args.nft_beta == Budget().nft_beta
+
+
 @pytest.mark.slow
 def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
     """A tiny pretraining, one seed, six methods, two steps: every table and plot is written and finite."""

@@ -57,7 +57,7 @@ def _config(method: Method, seed: int, budget: Budget, output_dir: str):
     from ..nft_config import MarbleDiffusionNFTConfig
 
     images = budget.prompts_per_step * budget.num_generations
-    return MarbleDiffusionNFTConfig(
+    settings = dict(
         output_dir=output_dir,
         report_to="none",
         save_strategy="no",
@@ -81,8 +81,8 @@ def _config(method: Method, seed: int, budget: Budget, output_dir: str):
         timestep_fraction=budget.timestep_fraction,
         use_cpu=True,
         seed=seed,
-        **method.overrides,
     )
+    return MarbleDiffusionNFTConfig(**{**settings, **method.overrides})  # a method's overrides win (e.g. LoRA targets)
 
 
 def evaluate(trainer: Any, budget: Budget, use_lora: bool = True, batch: int = 128) -> dict[str, Any]:
