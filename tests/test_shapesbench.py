@@ -143,6 +143,21 @@ def test_methods_catalogue_and_stage_schedule():
     assert methods["stress_marble"].rewards == ("sharpness", "compressibility", "color", "count", "position")
 
 
+def test_held_out_set_gives_count_captions_enough_images():
+    from collections import Counter
+
+    from marble_trl.shapesbench.bench import Budget, eval_images
+
+    scenes = eval_images(Budget())
+    per_family = Counter(s.family for s in scenes)
+    assert per_family == {"color": 12 * 24, "count": 12 * 40, "position": 12 * 24, "general": 4 * 24}
+    # an s.e.m. <= 0.02 for count's 0 / 0.5 / 1 score (std <= 0.45 at worst) needs >= 400 images
+    assert 0.45 / math.sqrt(per_family["count"]) <= 0.021
+    # run records from before the field: every caption had eval_images_per_prompt images
+    old = {"eval_per_family": 12, "eval_images_per_prompt": 24}
+    assert Counter(s.family for s in eval_images(old))["count"] == 12 * 24
+
+
 def test_a_methods_overrides_win_over_the_budgets_settings(tmp_path):
     from marble_trl.shapesbench.bench import LORA_TARGETS, Budget, _config
     from marble_trl.shapesbench.methods import Method

@@ -28,7 +28,7 @@ from ..models.sd3 import DEFAULT_LORA_TARGETS
 from ..scores import mean_sem
 from .methods import Method, StepTimer, all_methods, attach
 from .scorers import REWARD_NAMES, REWARDS, score_all
-from .world import COLUMNS, eval_scenes, family_dataset, train_dataset
+from .world import COLUMNS, Scene, eval_scenes, family_dataset, train_dataset
 
 # The reference's attention projections, plus proj_out so the tiny model can move colours quickly.
 LORA_TARGETS = [*DEFAULT_LORA_TARGETS, "proj_out"]
@@ -49,6 +49,8 @@ class Budget:
     nft_beta: float = 1.0
     eval_per_family: int = 12
     eval_images_per_prompt: int = 24
+    # count is a 0 / 0.5 / 1 score (std ~0.39 over images): an s.e.m. <= 0.02 needs ~400 images of its 12 captions
+    eval_images_per_count_prompt: int = 40
     eval_seed: int = 12345
     threads: int = 1
 
@@ -85,10 +87,23 @@ def _config(method: Method, seed: int, budget: Budget, output_dir: str):
     return MarbleDiffusionNFTConfig(**{**settings, **method.overrides})  # a method's overrides win (e.g. LoRA targets)
 
 
+def eval_images(budget: Budget | dict[str, Any]) -> list[Scene]:
+    """The held-out set, one scene per image: ``eval_per_family`` captions of every family, each repeated
+    ``eval_images_per_prompt`` times (``eval_images_per_count_prompt`` for count captions; run records written
+    before that field existed used ``eval_images_per_prompt`` for every caption)."""
+    b = budget if isinstance(budget, dict) else asdict(budget)
+    per_count = b.get("eval_images_per_count_prompt", b["eval_images_per_prompt"])
+    return [
+        s
+        for s in eval_scenes(b["eval_per_family"])
+        for _ in range(per_count if s.family == "count" else b["eval_images_per_prompt"])
+    ]
+
+
 def evaluate(trainer: Any, budget: Budget, use_lora: bool = True, batch: int = 128) -> dict[str, Any]:
-    """Generate the held-out set with fixed noise (held-out seeds; ``eval_images_per_prompt`` images of
-    ``eval_per_family`` captions of every family) and score every reward; per-reward means and s.e.m. over images."""
-    scenes = [s for s in eval_scenes(budget.eval_per_family) for _ in range(budget.eval_images_per_prompt)]
+    """Generate the held-out set (:func:`eval_images`) with fixed noise (held-out seeds) and score every reward;
+    per-reward means and s.e.m. over images."""
+    scenes = eval_images(budget)
     prompts = [s.prompt for s in scenes]
     columns = {c: [s.columns()[c] for s in scenes] for c in COLUMNS}
     images = torch.cat(
@@ -256,4 +271,4 @@ def worker_main(argv: Sequence[str]) -> None:
     run_one(all_methods()[args.method], args.seed, budget, args.model, Path(args.out))
 
 
-__all__ = ["Budget", "REWARD_NAMES", "evaluate", "run_benchmark", "run_one"]
+__all__ = ["Budget", "REWARD_NAMES", "eval_images", "evaluate", "run_benchmark", "run_one"]

@@ -398,7 +398,8 @@ def sample_grid(runs: Sequence[dict[str, Any]], out_dir: Path, per_family: int =
     import matplotlib.pyplot as plt
     import torch
 
-    from .world import FAMILIES, eval_scenes
+    from .bench import eval_images
+    from .world import FAMILIES
 
     rows: list[tuple[str, Any]] = []
     base = None
@@ -414,15 +415,15 @@ def sample_grid(runs: Sequence[dict[str, Any]], out_dir: Path, per_family: int =
     if not rows:
         return None
     budget = runs[0]["budget"]
-    scenes = eval_scenes(budget["eval_per_family"])
-    per_prompt = budget["eval_images_per_prompt"]
-    picks = [i for f in FAMILIES for i in [j for j, s in enumerate(scenes) if s.family == f][:per_family]]
+    scenes = eval_images(budget)  # one scene per image; a caption's first image is its first occurrence
+    firsts = [i for i, s in enumerate(scenes) if i == 0 or s.prompt != scenes[i - 1].prompt]
+    picks = [i for f in FAMILIES for i in [j for j in firsts if scenes[j].family == f][:per_family]]
     fig, axes = plt.subplots(len(rows), len(picks), figsize=(0.9 * len(picks) + 1.6, 0.95 * len(rows) + 0.6))
     axes = np.atleast_2d(axes)
     for r, (name, images) in enumerate(rows):
         for c, i in enumerate(picks):
             ax = axes[r][c]
-            ax.imshow(images[i * per_prompt].permute(1, 2, 0).numpy(), interpolation="nearest")
+            ax.imshow(images[i].permute(1, 2, 0).numpy(), interpolation="nearest")
             ax.set_xticks([])
             ax.set_yticks([])
             if r == 0:
@@ -446,7 +447,8 @@ def write_report(out_dir: str | Path, make_plots: bool = True) -> str:
     sections = [
         f"ShapesBench: {len({r['method'] for r in runs})} methods x seeds {seeds}; budget {budget['steps']} steps x "
         f"{budget['prompts_per_step']} prompts x {budget['num_generations']} images; held-out "
-        f"{budget['eval_per_family']} prompts per family x {budget['eval_images_per_prompt']} images.\n"
+        f"{budget['eval_per_family']} prompts per family x {budget['eval_images_per_prompt']} images "
+        f"({budget.get('eval_images_per_count_prompt', budget['eval_images_per_prompt'])} per count prompt).\n"
     ]
     t1d, t1r = table1(runs)
     cols1 = ["method", *EVAL_NAMES, "worst_gain", "composite_z"]
