@@ -61,6 +61,8 @@ V2_FACTORS: dict[str, tuple[dict, dict]] = {
     "steps120": ({"steps": 120}, {}),
     "p2s120": ({"steps": 120, "prompts_per_step": 2}, {}),  # the same images as the control, in twice the steps
     "p1s240": ({"steps": 240, "prompts_per_step": 1}, {}),
+    "lr4e-3": ({"learning_rate": 4e-3}, {}),  # twice the step length: does it stand in for twice the steps?
+    "lr8e-3": ({"learning_rate": 8e-3}, {}),
 }
 EVAL_PROMPTS_PER_FAMILY = 12  # held-out captions of the family (all of them for color / count: 12 each)
 EVAL_IMAGES_PER_PROMPT = 8
