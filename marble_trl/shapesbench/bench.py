@@ -92,12 +92,14 @@ def eval_images(budget: Budget | dict[str, Any]) -> list[Scene]:
     ``eval_images_per_prompt`` times (``eval_images_per_count_prompt`` for count captions; run records written
     before that field existed used ``eval_images_per_prompt`` for every caption)."""
     b = budget if isinstance(budget, dict) else asdict(budget)
-    per_count = b.get("eval_images_per_count_prompt", b["eval_images_per_prompt"])
-    return [
-        s
-        for s in eval_scenes(b["eval_per_family"])
-        for _ in range(per_count if s.family == "count" else b["eval_images_per_prompt"])
-    ]
+    return [s for s in eval_scenes(b["eval_per_family"]) for _ in range(images_per_prompt(b, s.family))]
+
+
+def images_per_prompt(budget: dict[str, Any], family: str) -> int:
+    """Held-out images of each caption of ``family`` under a run record's ``budget``."""
+    if family == "count":
+        return budget.get("eval_images_per_count_prompt", budget["eval_images_per_prompt"])
+    return budget["eval_images_per_prompt"]
 
 
 def evaluate(trainer: Any, budget: Budget, use_lora: bool = True, batch: int = 128) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..balance.weightings import AGGREGATORS
 from ..scores import composite_zscores, markdown_table, mean_sem, write_csv
+from .bench import eval_images, images_per_prompt
 from .comparison import COLUMNS as COMPARISON_COLUMNS
 from .comparison import balancer_comparison
 from .methods import all_methods
@@ -398,7 +399,6 @@ def sample_grid(runs: Sequence[dict[str, Any]], out_dir: Path, per_family: int =
     import matplotlib.pyplot as plt
     import torch
 
-    from .bench import eval_images
     from .world import FAMILIES
 
     rows: list[tuple[str, Any]] = []
@@ -448,7 +448,7 @@ def write_report(out_dir: str | Path, make_plots: bool = True) -> str:
         f"ShapesBench: {len({r['method'] for r in runs})} methods x seeds {seeds}; budget {budget['steps']} steps x "
         f"{budget['prompts_per_step']} prompts x {budget['num_generations']} images; held-out "
         f"{budget['eval_per_family']} prompts per family x {budget['eval_images_per_prompt']} images "
-        f"({budget.get('eval_images_per_count_prompt', budget['eval_images_per_prompt'])} per count prompt).\n"
+        f"({images_per_prompt(budget, 'count')} per count prompt).\n"
     ]
     t1d, t1r = table1(runs)
     cols1 = ["method", *EVAL_NAMES, "worst_gain", "composite_z"]
