@@ -190,7 +190,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="outputs/shapes-diagnosis")
     p.add_argument("--rewards", nargs="+", default=["color", "count", "position"])
-    p.add_argument("--factors", nargs="+", default=list(FACTORS))
+    p.add_argument("--factors", nargs="+", default=None, help="default: every factor (v2: all but control)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--model", default=None, help="base pipeline folder (default: the cached ShapesBench base)")
     p.add_argument("--table", action="store_true", help="print the table of the records in --out and exit")
@@ -209,14 +209,14 @@ def main() -> None:
     model = a.model or str(pretrain(PretrainConfig()))
     if a.v2:
         torch.set_num_threads(1)
-        for factor in a.factors if a.factors != list(FACTORS) else list(V2_FACTORS)[1:]:
+        for factor in a.factors or list(V2_FACTORS)[1:]:
             for reward in a.rewards:
                 for seed in a.seeds:
                     r = run_v2(reward, factor, seed, model, out)
                     print(f"{reward} {factor} seed {seed}: {r['eval'][reward]:.3f}", flush=True)
         print(table_v2(out, Path(a.base_record)))
         return
-    for factor in a.factors:
+    for factor in a.factors or list(FACTORS):
         for reward in a.rewards:
             for seed in a.seeds:
                 t0 = time.perf_counter()
