@@ -207,22 +207,17 @@ def main() -> None:
         print(table_v2(out, Path(a.base_record)) if a.v2 else table(out))
         return
     model = a.model or str(pretrain(PretrainConfig()))
-    if a.v2:
-        torch.set_num_threads(1)
-        for factor in a.factors or list(V2_FACTORS)[1:]:
-            for reward in a.rewards:
-                for seed in a.seeds:
-                    r = run_v2(reward, factor, seed, model, out)
-                    print(f"{reward} {factor} seed {seed}: {r['eval'][reward]:.3f}", flush=True)
-        print(table_v2(out, Path(a.base_record)))
-        return
-    for factor in a.factors or list(FACTORS):
+    if a.v2:  # run_one sets the budget's one thread itself; a v2 record holds every reward's held-out mean
+        one, factors, held_out = run_v2, a.factors or list(V2_FACTORS)[1:], lambda r, k: r["eval"][k]
+    else:
+        one, factors, held_out = run, a.factors or list(FACTORS), lambda r, k: r["trained"]["mean"]
+    for factor in factors:
         for reward in a.rewards:
             for seed in a.seeds:
                 t0 = time.perf_counter()
-                r = run(reward, factor, seed, model, out)
-                print(f"{reward} {factor} seed {seed}: {r['trained']['mean']:.3f} ({time.perf_counter() - t0:.0f} s)")
-    print(table(out))
+                r = one(reward, factor, seed, model, out)
+                print(f"{reward} {factor} seed {seed}: {held_out(r, reward):.3f} ({time.perf_counter() - t0:.0f} s)")
+    print(table_v2(out, Path(a.base_record)) if a.v2 else table(out))
 
 
 if __name__ == "__main__":
