@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from marble_trl import MarbleDiffusionNFTTrainer
-from marble_trl.shapesbench.bench import LORA_TARGETS, Budget, _config
+from marble_trl.shapesbench.bench import LORA_TARGETS, Budget, _config, images_per_prompt
 from marble_trl.shapesbench.methods import Method
 from marble_trl.shapesbench.pretrain import PretrainConfig, pretrain
 from marble_trl.shapesbench.scorers import REWARDS
@@ -143,10 +143,31 @@ def run_v2(reward: str, factor: str, seed: int, model: str, out: Path) -> dict:
     return run_one(method, seed, dataclasses.replace(Budget(), **changes), model, out)
 
 
+def base_eval_v2(model: str, out: Path) -> dict:
+    """The base model (no LoRA) on today's held-out set (``Budget()``'s, e.g. 40 images per count caption);
+    writes ``<out>/base-eval.json`` in a run record's ``base_eval`` shape, for :func:`table_v2`."""
+    from marble_trl.shapesbench.bench import evaluate
+
+    budget = Budget()
+    torch.set_num_threads(budget.threads)
+    method = Method("base", ("count",), family="count")
+    args = _config(method, 0, budget, str(out / "trainer" / "base"))
+    trainer = MarbleDiffusionNFTTrainer(
+        model, [REWARDS["count"]], args=args, train_dataset=prompt_dataset(family_scenes("count"))
+    )
+    ev = evaluate(trainer, budget, use_lora=False)
+    record = {"budget": dataclasses.asdict(budget), "base_eval": ev["scores"], "base_eval_sem": ev["sems"]}
+    record["num_images"] = ev["num_images"]
+    (out / "base-eval.json").write_text(json.dumps(record))
+    return record
+
+
 def table_v2(out: Path, base_record: Path) -> str:
-    """The v2 probes' held-out score of the trained reward against the base (from a benchmark run record's
-    ``base_eval``, e.g. ``benchmarks/results/shapesbench-v2/runs/weighted_sum-seed0.json``)."""
-    base = json.loads(base_record.read_text())
+    """The v2 probes' held-out score of the trained reward against the base: from a benchmark run record's
+    ``base_eval`` (e.g. ``benchmarks/results/shapesbench-v2/runs/weighted_sum-seed0.json``), or, for probes
+    scored on a larger held-out set, from ``<out>/base-eval.json`` (:func:`base_eval_v2`) on that same set."""
+    bases = [json.loads(p.read_text()) for p in (base_record, out / "base-eval.json") if p.is_file()]
+    count_images = lambda r: images_per_prompt(r["budget"], "count")  # noqa: E731
     lines = [
         "| reward | factor | seed | held-out | vs base | steps x prompts | train s |",
         "|---|---|---|---|---|---|---|",
@@ -155,7 +176,10 @@ def table_v2(out: Path, base_record: Path) -> str:
         r = json.loads(p.read_text())
         reward, b = r["rewards"][0], r["budget"]
         factor = r["method"].split("-", 1)[1] if "-" in r["method"] else "control"
-        gain = r["eval"][reward] - base["base_eval"][reward]
+        same = [b for b in bases if count_images(b) == count_images(r)]
+        if not same:
+            raise SystemExit(f"no base scored on {p.name}'s held-out set: run --v2 --base-eval first")
+        gain = r["eval"][reward] - same[0]["base_eval"][reward]
         lines.append(
             f"| {reward} | {factor} | {r['seed']} | {r['eval'][reward]:.3f} ± {r['eval_sem'][reward]:.3f} | "
             f"{gain:+.3f} | {b['steps']} x {b['prompts_per_step']} | {r['train_seconds']:.0f} |"
@@ -195,6 +219,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="base pipeline folder (default: the cached ShapesBench base)")
     p.add_argument("--table", action="store_true", help="print the table of the records in --out and exit")
     p.add_argument("--v2", action="store_true", help="the v2 probes (V2_FACTORS, the benchmark's budget)")
+    p.add_argument("--base-eval", action="store_true", help="with --v2: score the base on today's held-out set")
     p.add_argument(
         "--base-record",
         default="benchmarks/results/shapesbench-v2/runs/weighted_sum-seed0.json",
@@ -207,6 +232,9 @@ def main() -> None:
         print(table_v2(out, Path(a.base_record)) if a.v2 else table(out))
         return
     model = a.model or str(pretrain(PretrainConfig()))
+    if a.base_eval:
+        print(json.dumps(base_eval_v2(model, out)["base_eval"], indent=1))
+        return
     if a.v2:  # run_one sets the budget's one thread itself; a v2 record holds every reward's held-out mean
         one, factors, held_out = run_v2, a.factors or list(V2_FACTORS)[1:], lambda r, k: r["eval"][k]
     else:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from golden import RECORD, RUNS, TENSORS, digest, platform_key, train_golden
 from safetensors.torch import load_file
 
@@ -18,9 +17,12 @@ def test_golden_run_reproduces_the_recorded_lora(run, tmp_path):
     result = train_golden(run, tmp_path)
     assert sorted(result) == sorted(expected), "the LoRA's parameter names changed"
     for key, tensor in result.items():
-        # Another BLAS or CPU kernel path rounds differently: a few steps of Adam amplify 1-ulp differences, so the
-        # tolerance is loose against rounding but far below what a changed loss, advantage or step order gives.
-        torch.testing.assert_close(tensor, expected[key], rtol=1e-3, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+        # Another BLAS or CPU kernel path rounds differently, and a few Adam steps (whose update m / sqrt(v) is
+        # sign-sensitive for tiny gradients) and MARBLE's QP at an active-set boundary amplify 1-ulp differences:
+        # measured on an AVX512 machine against the AVX2 recording, 1.5e-4 of a tensor's norm (one element 21% off).
+        # A real change moves far more: a 1% larger learning rate moves them 1.6e-2. So compare whole tensors.
+        diff, scale = (tensor - expected[key]).norm().item(), expected[key].norm().item()
+        assert diff <= 2e-3 * scale + 1e-6, f"{key}: off by {diff:.3g} (norm {scale:.3g}), more than rounding gives"
     if platform_key() == record["platform"]:
         assert digest(result) == record["sha256"][run], (
             f"{run}: the LoRA is close to the recorded one but not bit-identical on the recording platform "

@@ -182,3 +182,34 @@ def test_claims_rank_only_methods_run_on_as_many_seeds_as_marble():
     assert checked["MARBLE's mean is above the base on every training reward"] == "yes"
     assert checked["MARBLE's worst-reward gain is the best of the multi-reward methods"].startswith("best: upgrad")
     assert checked["MARBLE's composite is the best of the multi-reward methods"].startswith("best: marble ")
+
+
+def test_probe_table_compares_each_probe_with_a_base_on_its_own_held_out_set(tmp_path):
+    """``shapesbench_diagnosis.py --v2 --table``: a probe scored on 40 images per count caption is compared with the
+    base scored on that same set, one scored on 24 with the benchmark record's base; a probe without one is refused."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "shapesbench_diagnosis.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diag)
+    old, new = {"eval_images_per_prompt": 24}, {"eval_images_per_prompt": 24, "eval_images_per_count_prompt": 40}
+    (tmp_path / "runs").mkdir()
+    budget = {"steps": 120, "prompts_per_step": 4}
+
+    def probe(name: str, held_out: dict, score: float) -> None:
+        record = {"method": f"only_count-{name}", "rewards": ["count"], "seed": 0, "budget": {**budget, **held_out}}
+        record |= {"eval": {"count": score}, "eval_sem": {"count": 0.02}, "train_seconds": 1.0}
+        (tmp_path / "runs" / f"only_count-{name}-seed0.json").write_text(json.dumps(record))
+
+    bench_record = tmp_path / "weighted_sum-seed0.json"
+    bench_record.write_text(json.dumps({"budget": old, "base_eval": {"count": 0.5}}))
+    probe("old", old, 0.6)
+    probe("new", new, 0.6)
+    with pytest.raises(SystemExit, match="--base-eval"):
+        diag.table_v2(tmp_path, bench_record)
+    (tmp_path / "base-eval.json").write_text(json.dumps({"budget": new, "base_eval": {"count": 0.45}}))
+    rows = {line.split(" | ")[1]: line for line in diag.table_v2(tmp_path, bench_record).splitlines()[2:]}
+    assert "| +0.150 |" in rows["new"] and "| +0.100 |" in rows["old"]
