@@ -59,6 +59,7 @@ V2_FACTORS: dict[str, tuple[dict, dict]] = {
     "control": ({}, {}),
     "ff": ({}, {"lora_target_modules": [*LORA_TARGETS, *FF_TARGETS]}),
     "steps120": ({"steps": 120}, {}),
+    "steps180": ({"steps": 180}, {}),  # 3x: how far do position and color go with more steps?
     "p2s120": ({"steps": 120, "prompts_per_step": 2}, {}),  # the same images as the control, in twice the steps
     "p1s240": ({"steps": 240, "prompts_per_step": 1}, {}),
     "lr4e-3": ({"learning_rate": 4e-3}, {}),  # twice the step length: does it stand in for twice the steps?
