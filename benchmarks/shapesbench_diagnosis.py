@@ -177,7 +177,7 @@ def table_v2(out: Path, base_record: Path) -> str:
         r = json.loads(p.read_text())
         reward, b = r["rewards"][0], r["budget"]
         factor = r["method"].split("-", 1)[1] if "-" in r["method"] else "control"
-        same = [b for b in bases if count_images(b) == count_images(r)]
+        same = [base for base in bases if count_images(base) == count_images(r)]
         if not same:
             raise SystemExit(f"no base scored on {p.name}'s held-out set: run --v2 --base-eval first")
         gain = r["eval"][reward] - same[0]["base_eval"][reward]
