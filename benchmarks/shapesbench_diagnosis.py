@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from marble_trl import MarbleDiffusionNFTTrainer
-from marble_trl.shapesbench.bench import LORA_TARGETS, Budget, _config, images_per_prompt
+from marble_trl.shapesbench.bench import LORA_TARGETS, Budget, _config, eval_images
 from marble_trl.shapesbench.methods import Method
 from marble_trl.shapesbench.pretrain import PretrainConfig, pretrain
 from marble_trl.shapesbench.scorers import REWARDS
@@ -168,7 +168,9 @@ def table_v2(out: Path, base_record: Path) -> str:
     ``base_eval`` (e.g. ``benchmarks/results/shapesbench-v2/runs/weighted_sum-seed0.json``), or, for probes
     scored on a larger held-out set, from ``<out>/base-eval.json`` (:func:`base_eval_v2`) on that same set."""
     bases = [json.loads(p.read_text()) for p in (base_record, out / "base-eval.json") if p.is_file()]
-    count_images = lambda r: images_per_prompt(r["budget"], "count")  # noqa: E731
+    # A record's held-out set is its budget's ``eval_images`` with its noise seed.
+    held_out_set = lambda r: ([s.prompt for s in eval_images(r["budget"])], r["budget"]["eval_seed"])  # noqa: E731
+    base_sets = [held_out_set(base) for base in bases]
     lines = [
         "| reward | factor | seed | held-out | vs base | steps x prompts | train s |",
         "|---|---|---|---|---|---|---|",
@@ -177,7 +179,7 @@ def table_v2(out: Path, base_record: Path) -> str:
         r = json.loads(p.read_text())
         reward, b = r["rewards"][0], r["budget"]
         factor = r["method"].split("-", 1)[1] if "-" in r["method"] else "control"
-        same = [base for base in bases if count_images(base) == count_images(r)]
+        same = [base for base, key in zip(bases, base_sets) if key == held_out_set(r)]
         if not same:
             raise SystemExit(f"no base scored on {p.name}'s held-out set: run --v2 --base-eval first")
         gain = r["eval"][reward] - same[0]["base_eval"][reward]

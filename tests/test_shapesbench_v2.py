@@ -195,7 +195,8 @@ def test_probe_table_compares_each_probe_with_a_base_on_its_own_held_out_set(tmp
     spec = importlib.util.spec_from_file_location(path.stem, path)
     diag = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(diag)
-    old, new = {"eval_images_per_prompt": 24}, {"eval_images_per_prompt": 24, "eval_images_per_count_prompt": 40}
+    old = {"eval_per_family": 12, "eval_images_per_prompt": 24, "eval_seed": 12345}
+    new = {**old, "eval_images_per_count_prompt": 40}
     (tmp_path / "runs").mkdir()
     budget = {"steps": 120, "prompts_per_step": 4}
 
@@ -213,3 +214,6 @@ def test_probe_table_compares_each_probe_with_a_base_on_its_own_held_out_set(tmp
     (tmp_path / "base-eval.json").write_text(json.dumps({"budget": new, "base_eval": {"count": 0.45}}))
     rows = {line.split(" | ")[1]: line for line in diag.table_v2(tmp_path, bench_record).splitlines()[2:]}
     assert "| +0.150 |" in rows["new"] and "| +0.100 |" in rows["old"]
+    probe("other_noise", {**new, "eval_seed": 1}, 0.6)  # the same captions under other noise: not the same set
+    with pytest.raises(SystemExit, match="other_noise"):
+        diag.table_v2(tmp_path, bench_record)
