@@ -52,8 +52,9 @@ FACTORS: dict[str, tuple[dict, dict]] = {
     "nft_beta0.1": ({"nft_beta": 0.1}, {}),
     "big": ({"steps": 60, "prompts_per_step": 16}, {}),
 }
-# v2 probes: the benchmark's own budget (``Budget()``: 60 steps x 4 prompts x 8 images, KL 1e-4) and held-out
-# protocol (``bench.evaluate``), one factor changed; ``control`` is Table 1's ``only_<reward>`` row.
+# v2 probes: v2's budget (60 steps x 4 prompts x 8 images, KL 1e-4; ``Budget()`` now has 120 steps, chosen from these
+# probes) and held-out protocol (``bench.evaluate``), one factor changed; ``control`` is v2's ``only_<reward>`` row.
+V2_BUDGET = Budget(steps=60)
 FF_TARGETS = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
 V2_FACTORS: dict[str, tuple[dict, dict]] = {
     "control": ({}, {}),
@@ -141,15 +142,15 @@ def run_v2(reward: str, factor: str, seed: int, model: str, out: Path) -> dict:
         return json.loads(path.read_text())
     changes, overrides = V2_FACTORS[factor]
     method = Method(name, (reward,), overrides=overrides, family=reward)
-    return run_one(method, seed, dataclasses.replace(Budget(), **changes), model, out)
+    return run_one(method, seed, dataclasses.replace(V2_BUDGET, **changes), model, out)
 
 
 def base_eval_v2(model: str, out: Path) -> dict:
-    """The base model (no LoRA) on today's held-out set (``Budget()``'s, e.g. 40 images per count caption);
+    """The base model (no LoRA) on today's held-out set (``V2_BUDGET``'s, e.g. 40 images per count caption);
     writes ``<out>/base-eval.json`` in a run record's ``base_eval`` shape, for :func:`table_v2`."""
     from marble_trl.shapesbench.bench import evaluate
 
-    budget = Budget()
+    budget = V2_BUDGET
     torch.set_num_threads(budget.threads)
     method = Method("base", ("count",), family="count")
     args = _config(method, 0, budget, str(out / "trainer" / "base"))

@@ -126,3 +126,13 @@ def test_ship_then_verify_reproduces_bit_for_bit(tmp_path, monkeypatch):
     manifest["judge"]["tensors"][key] = "0" * 64
     shipped.MANIFEST.write_text(json.dumps(manifest))
     assert ship.verify_shipped(quiet=True) == ["judge"]
+
+
+def test_the_benchmark_runs_on_the_shipped_model_and_pretrains_only_for_another_config(monkeypatch, tmp_path):
+    import marble_trl.shapesbench.pretrain as pretrain_mod
+
+    built = []
+    monkeypatch.setattr(pretrain_mod, "pretrain", lambda config: built.append(config) or tmp_path)
+    assert shipped.base_model() == shipped.WEIGHTS / "shapes" and not built
+    other = PretrainConfig(steps=PretrainConfig().steps + 1)
+    assert shipped.base_model(other) == tmp_path and built == [other]

@@ -168,6 +168,15 @@ def test_a_methods_overrides_win_over_the_budgets_settings(tmp_path):
     assert args.lora_target_modules == targets and args.beta == 0.0 and args.nft_beta == Budget().nft_beta
 
 
+def test_the_budget_sets_how_often_table_s1s_diagnostic_runs(tmp_path):
+    from marble_trl.shapesbench.bench import Budget, _config
+    from marble_trl.shapesbench.methods import all_methods
+
+    marble = all_methods()["marble"]
+    assert _config(marble, 0, Budget(log_update_cosines_interval=5), str(tmp_path)).log_update_cosines_interval == 5
+    assert _config(marble, 0, Budget(), str(tmp_path)).log_update_cosines_interval == 3
+
+
 @pytest.mark.slow
 def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
     """A tiny pretraining, one seed, six methods, two steps: every table and plot is written and finite."""

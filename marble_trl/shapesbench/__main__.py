@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> None:
         print(pretrain(_from_args(PretrainConfig, args, "pretrain-"), force=args.force))
     elif args.command == "run":
         from .bench import run_benchmark
-        from .pretrain import pretrain
+        from .shipped import base_model
 
-        model = args.model or str(pretrain(_from_args(PretrainConfig, args, "pretrain-")))
+        model = args.model or str(base_model(_from_args(PretrainConfig, args, "pretrain-")))
         run_benchmark(
             model,
             args.out,

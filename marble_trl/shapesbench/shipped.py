@@ -8,6 +8,7 @@ never picks up a stale file; ``MANIFEST.json`` records the config hashes and a S
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -22,6 +23,19 @@ def shipped_judge(key: str) -> Path | None:
     """The shipped judge file whose config hash is ``key``, if the package has it."""
     found = sorted(WEIGHTS.glob(f"*-{key}.safetensors"))
     return found[0] if found else None
+
+
+def base_model(config=None) -> Path:
+    """The base model of ``config`` (default: :class:`~.pretrain.PretrainConfig`): the shipped ``shapes`` model when
+    its recorded config hash matches, else :func:`~.pretrain.pretrain`'s (cached or built). So a fresh clone runs
+    the benchmark on the shipped model without pretraining, and a changed pretraining config never gets it."""
+    from .pretrain import PretrainConfig, pretrain
+
+    config = config or PretrainConfig()
+    info = WEIGHTS / "shapes" / "shapesbench.json"
+    if info.is_file() and json.loads(info.read_text()).get("key") == config.key():
+        return WEIGHTS / "shapes"
+    return pretrain(config)
 
 
 def tensor_hashes(folder: Path) -> dict[str, str]:
