@@ -139,9 +139,16 @@ def test_cost_table_takes_times_and_ratios_from_the_same_runs():
         return {"method": method, "seed": seed, "step_times": [9.0, seconds, seconds], "peak_rss_gib": 1.0}
 
     runs = [run("weighted_sum_plain", 0, 2.0), run("marble", 0, 4.0), run("marble", 1, 1.0)]
-    _, raw = table2(runs)
+    display, raw = table2(runs)
     marble = next(r for r in raw if r["method"] == "marble")
     assert marble["step_ms"] == 4000.0 and marble["relative_speed"] == 0.5
+    # records from before the budget's log_update_cosines_interval diagnosed every step
+    assert next(r for r in display if r["method"] == "marble")["per-step cosine diagnostics"] == "every step"
+    for r in runs:
+        r["budget"] = {"log_update_cosines_interval": 3}
+    display, _ = table2(runs)
+    labels = {r["method"]: r["per-step cosine diagnostics"] for r in display}
+    assert labels == {"weighted_sum_plain": "no", "marble": "1 step in 3"}
 
 
 def test_balancer_comparison_gains_and_conflicts_over_seeds():

@@ -278,9 +278,14 @@ def table2(runs: Sequence[dict[str, Any]], skip: int = 1) -> tuple[list[dict[str
                 speed.append(tb / t)
                 mem.append(r["peak_rss_gib"] / base["peak_rss_gib"])
         cosines = bool(catalogue[m].overrides.get("log_update_cosines"))
+        # records written before the budget field diagnosed every step
+        interval = next(
+            r.get("budget", {}).get("log_update_cosines_interval", 1) for (method, _), r in by.items() if method == m
+        )
         w = {
             "method": m,
             "per_step_cosines": cosines,
+            "cosine_interval": interval if cosines else None,
             "step_ms": statistics.median(step_ms),
             "relative_speed": statistics.median(speed) if speed else math.nan,
             "peak_rss_gib": statistics.median(peak),
@@ -290,7 +295,9 @@ def table2(runs: Sequence[dict[str, Any]], skip: int = 1) -> tuple[list[dict[str
         display.append(
             {
                 "method": m,
-                "per-step cosine diagnostics": "yes" if cosines else "no",
+                "per-step cosine diagnostics": ("every step" if interval == 1 else f"1 step in {interval}")
+                if cosines
+                else "no",
                 "step time (median)": f"{w['step_ms']:.0f} ms",
                 f"speed vs {ref}": f"{w['relative_speed']:.3f}x",
                 "peak RSS": f"{w['peak_rss_gib']:.2f} GiB",
