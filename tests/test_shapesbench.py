@@ -213,6 +213,8 @@ def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
             "1",
             "--eval-images-per-prompt",
             "2",
+            "--log-update-cosines-interval",
+            "1",
             "--pretrain-num-images",
             "64",
             "--pretrain-vae-steps",

@@ -147,8 +147,10 @@ def test_cost_table_takes_times_and_ratios_from_the_same_runs():
     for r in runs:
         r["budget"] = {"log_update_cosines_interval": 3}
     display, _ = table2(runs)
-    labels = {r["method"]: r["per-step cosine diagnostics"] for r in display}
-    assert labels == {"weighted_sum_plain": "no", "marble": "1 step in 3"}
+    assert {r["method"]: r["per-step cosine diagnostics"] for r in display} == {
+        "weighted_sum_plain": "no",
+        "marble": "1 step in 3",
+    }
 
 
 def test_balancer_comparison_gains_and_conflicts_over_seeds():

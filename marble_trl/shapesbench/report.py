@@ -260,8 +260,7 @@ def table2(runs: Sequence[dict[str, Any]], skip: int = 1) -> tuple[list[dict[str
     """
     by = {(r["method"], r["seed"]): r for r in runs}
     ref = "weighted_sum_plain" if any(r["method"] == "weighted_sum_plain" for r in runs) else "weighted_sum"
-    catalogue = all_methods()
-    display, raw = [], []
+    catalogue, display, raw = all_methods(), [], []
     for m in _method_order(runs, timing=True):
         speed, mem, step_ms, peak = [], [], [], []
         paired = {seed for (method, seed) in by if method == m and (ref, seed) in by}
@@ -278,14 +277,11 @@ def table2(runs: Sequence[dict[str, Any]], skip: int = 1) -> tuple[list[dict[str
                 speed.append(tb / t)
                 mem.append(r["peak_rss_gib"] / base["peak_rss_gib"])
         cosines = bool(catalogue[m].overrides.get("log_update_cosines"))
-        # records written before the budget field diagnosed every step
-        interval = next(
-            r.get("budget", {}).get("log_update_cosines_interval", 1) for (method, _), r in by.items() if method == m
-        )
+        n = next(r.get("budget", {}).get("log_update_cosines_interval", 1) for (k, _), r in by.items() if k == m)
+        label = "no" if not cosines else "every step" if n == 1 else f"1 step in {n}"  # older records: every step
         w = {
             "method": m,
-            "per_step_cosines": cosines,
-            "cosine_interval": interval if cosines else None,
+            "per_step_cosines": label,
             "step_ms": statistics.median(step_ms),
             "relative_speed": statistics.median(speed) if speed else math.nan,
             "peak_rss_gib": statistics.median(peak),
@@ -295,9 +291,7 @@ def table2(runs: Sequence[dict[str, Any]], skip: int = 1) -> tuple[list[dict[str
         display.append(
             {
                 "method": m,
-                "per-step cosine diagnostics": ("every step" if interval == 1 else f"1 step in {interval}")
-                if cosines
-                else "no",
+                "per-step cosine diagnostics": label,
                 "step time (median)": f"{w['step_ms']:.0f} ms",
                 f"speed vs {ref}": f"{w['relative_speed']:.3f}x",
                 "peak RSS": f"{w['peak_rss_gib']:.2f} GiB",
