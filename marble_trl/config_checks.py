@@ -135,6 +135,10 @@ def check_fields(self) -> None:
         self.marble_amortised_update in ("alpha_bar", "norm_aware"),
         f"marble_amortised_update must be 'alpha_bar' or 'norm_aware', got {self.marble_amortised_update!r}.",
     )
+    need(
+        self.marble_silent_rewards in ("decay", "hold"),
+        f"marble_silent_rewards must be 'decay' or 'hold', got {self.marble_silent_rewards!r}.",
+    )
     need(self.marble_uniform_final_steps >= 0, "marble_uniform_final_steps must be >= 0.")
     need(
         0 <= self.param_ema_max_decay < 1,

@@ -281,6 +281,15 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             "last refresh's norms, by Prop. 1; beyond the paper)."
         },
     )
+    marble_silent_rewards: str = field(
+        default="decay",
+        metadata={
+            "help": "A reward without signal at a refresh (no prompt of its family, or every group tied): 'decay' "
+            "(its alpha* is 0 in the EMA, so its alpha_bar shrinks by rho) or 'hold' (its alpha_bar and last gradient "
+            "norm are kept, the EMA updates the other rewards' share; beyond the paper, whose batches give every "
+            "reward signal at every refresh)."
+        },
+    )
     marble_uniform_final_steps: int = field(
         default=0, metadata={"help": "Train the last this many steps with uniform coefficients (0 = off)."}
     )

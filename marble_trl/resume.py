@@ -56,6 +56,8 @@ EXACT_FIELDS = (
     "marble_refresh_interval",
     "marble_uniform_final_steps",
     "marble_refresh_update",
+    "marble_amortised_update",
+    "marble_silent_rewards",
     "max_grad_norm",
     "lora_r",
     "lora_alpha",

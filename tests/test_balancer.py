@@ -530,3 +530,39 @@ def test_last_grad_norms_survive_state_dict_and_old_states_load() -> None:
             other.load_state_dict({**state, "last_grad_norms": bad})
     with pytest.raises(ValueError, match="amortised"):
         MarbleBalancer(2, amortised="normalised")
+
+
+def test_hold_keeps_a_silent_rewards_alpha_bar_and_is_eq12_when_all_are_active() -> None:
+    grads = make_grads(11, k=4)
+    decay, hold = MarbleBalancer(4, rho=0.7), MarbleBalancer(4, rho=0.7, silent="hold")
+    for bal in (decay, hold):
+        bal.combine(grads)  # every reward active: the two modes are the paper's Eq. 12
+    np.testing.assert_array_equal(decay.alpha_bar, hold.alpha_bar)
+    np.testing.assert_array_equal(decay.last_grad_norms, hold.last_grad_norms)
+    before, norms_before = hold.alpha_bar, hold.last_grad_norms
+    silent = grads.clone()
+    silent[2] = 0
+    _, info = hold.combine(silent)
+    star = np.asarray(info["alpha_star"])
+    after = hold.alpha_bar
+    assert star[2] == 0.0 and after[2] == pytest.approx(before[2], rel=1e-12)  # decay: 0.7 * before[2]
+    assert after.sum() == pytest.approx(1.0, abs=1e-15) and (after >= 0).all()
+    share = before[[0, 1, 3]].sum()
+    np.testing.assert_allclose(after[[0, 1, 3]], 0.7 * before[[0, 1, 3]] + 0.3 * share * star[[0, 1, 3]], rtol=1e-12)
+    assert hold.last_grad_norms[2] == norms_before[2] and hold.last_grad_norms[0] == info["grad_norms"][0]
+    decay.combine(silent)
+    assert decay.alpha_bar[2] == pytest.approx(0.7 * before[2], rel=1e-12) and decay.last_grad_norms[2] == 0.0
+    # The update itself is the same Eq. 7 whatever the EMA does.
+    np.testing.assert_array_equal(decay.last_alpha_star, hold.last_alpha_star)
+
+
+def test_hold_never_refreshes_a_reward_silent_from_the_start() -> None:
+    grads = make_grads(12, k=3)
+    grads[1] = 0
+    bal = MarbleBalancer(3, rho=0.5, silent="hold")
+    for _ in range(5):
+        bal.combine(grads)
+    assert bal.alpha_bar[1] == pytest.approx(1 / 3, rel=1e-12)  # alpha_bar_0, untouched
+    assert bal.last_grad_norms[1] == 0.0  # never seen: norm-aware steps then give it c_k = w_k
+    with pytest.raises(ValueError, match="silent must be one of"):
+        MarbleBalancer(3, silent="zero")

@@ -53,6 +53,7 @@ INVALID = [
     ("marble_uniform_final_steps", -1),
     ("marble_refresh_subset", -1),
     ("marble_amortised_update", "normalised"),
+    ("marble_silent_rewards", "zero"),
     ("param_ema_max_decay", 1.0),
     ("prompts_per_step", 0),
 ]

@@ -156,3 +156,9 @@ def test_non_finite_subset_gradients_skip_the_step_and_refresh_nothing(tmp_path,
     assert trainer.balancer.state_dict() == before
     after = _lora(trainer)
     assert all(torch.equal(after[n], lora[n]) for n in lora)
+
+
+def test_silent_rewards_hold_reaches_the_balancer(tmp_path):
+    """The config field is the balancer's mode, so a specialist absent at a refresh keeps its alpha_bar."""
+    assert _trainer(tmp_path, marble_silent_rewards="hold").balancer.silent == "hold"
+    assert _trainer(tmp_path).balancer.silent == "decay"  # the default: the paper's Eq. 12 with alpha*_k = 0

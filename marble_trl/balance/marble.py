@@ -33,6 +33,13 @@ Choices and deviations (all documented where they happen):
   cosines are then 0 and no conflict is reported. ``RefreshInfo.direction_norm`` logs ``||sum_k alpha_k gh_k||``.
   The Gram's rounding limits this norm to about the square root of the cosines' accuracy (~1e-3 for float32 Grams,
   ~1e-7 for float64 ones at moderate P), so near-stationary cosines are noisy anyway.
+- Silent rewards in the EMA (beyond the paper, ``silent="hold"``): by default a reward without signal at a refresh
+  enters Eq. 12 with ``alpha*_k = 0``, so its ``alpha_bar_k`` decays by ``rho`` although the steps that follow may
+  hold its prompts. The paper's batches (48 groups) give every reward signal at every refresh, so the choice never
+  arises there; with a few prompts per step a specialist is silent at many refreshes. ``"hold"`` keeps a silent
+  reward's ``alpha_bar_k`` (and its last gradient norm) and applies Eq. 12 to the active rewards' share:
+  ``alpha_bar_S <- rho alpha_bar_S + (1 - rho) (sum_{j in S} alpha_bar_j) alpha*_S``. With every reward active it is
+  Eq. 12 exactly.
 - Optional final stage (``uniform_final_steps`` out of ``max_steps``): no refreshes, uniform advantage weights.
 - Amortised steps (beyond the paper, ``amortised="norm_aware"``): the paper applies ``alpha_bar`` to the batch's
   *un-normalised* gradients, so a reward with a large gradient dominates between refreshes. ``"norm_aware"`` applies
@@ -67,6 +74,7 @@ __all__ = ["MarbleBalancer", "RefreshInfo", "StepWeights"]
 PARETO_STATIONARY_TOL = 1e-6
 
 AMORTISED_MODES = ("alpha_bar", "norm_aware")
+SILENT_MODES = ("decay", "hold")
 
 _STATE_KEYS = (
     "reward_names",
@@ -133,6 +141,9 @@ class MarbleBalancer:
         solver: ``Mh (float64 [K', K']) -> QPResult``; default ``qp.solve_min_norm``.
         amortised: ``"alpha_bar"`` (the paper: ``alpha_bar`` on un-normalised gradients) or ``"norm_aware"`` (Eq. 7's
             coefficients with the last refresh's gradient norms; see the module docstring).
+        silent: how a reward without signal at a refresh enters the EMA: ``"decay"`` (``alpha*_k = 0``, so
+            ``alpha_bar_k`` shrinks by ``rho``) or ``"hold"`` (its ``alpha_bar_k`` and last gradient norm are kept; see
+            the module docstring).
     """
 
     def __init__(
@@ -146,6 +157,7 @@ class MarbleBalancer:
         max_steps: int | None = None,
         solver: Callable[[np.ndarray], QPResult] = solve_min_norm,
         amortised: str = "alpha_bar",
+        silent: str = "decay",
     ) -> None:
         if reward_names is None:
             if num_rewards is None:
@@ -162,6 +174,8 @@ class MarbleBalancer:
             raise ValueError(f"refresh_interval must be >= 1, got {refresh_interval}")
         if amortised not in AMORTISED_MODES:
             raise ValueError(f"amortised must be one of {AMORTISED_MODES}, got {amortised!r}")
+        if silent not in SILENT_MODES:
+            raise ValueError(f"silent must be one of {SILENT_MODES}, got {silent!r}")
         if uniform_final_steps < 0:
             raise ValueError(f"uniform_final_steps must be >= 0, got {uniform_final_steps}")
         if max_steps is not None and uniform_final_steps > max_steps:
@@ -173,6 +187,7 @@ class MarbleBalancer:
         self.max_steps = max_steps
         self.solver = solver
         self.amortised = amortised
+        self.silent = silent
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -255,7 +270,7 @@ class MarbleBalancer:
         a = np.asarray(values, dtype=np.float64).reshape(-1)
         if a.shape != (self.num_rewards,) or not np.isfinite(a).all() or (a < 0).any() or abs(a.sum() - 1) > 1e-6:
             raise ValueError(f"{name} must be {self.num_rewards} non-negative finite values summing to 1, got {a}")
-        return a / a.sum()
+        return a  # as saved: renormalising would change the last bits, and a resumed run must continue bit-exactly
 
     def record_clamp_violations(self, n: int) -> None:
         """Count samples where some ``|A_k| > A_max`` (Prop. 1's identity is then inexact on amortised steps;
@@ -327,8 +342,7 @@ class MarbleBalancer:
         if res.ok:
             alpha_star = np.array(res.alpha, dtype=np.float64)
             alpha_used = alpha_star
-            ema = self.rho * self._alpha_bar + (1.0 - self.rho) * alpha_star
-            self._alpha_bar = ema / ema.sum()  # stays on the simplex; renormalising only removes rounding drift
+            self._alpha_bar = self._ema(alpha_star, active)
             self._last_alpha_star = alpha_star.copy()
         else:
             # Keep the previous coefficients. Silent rewards contribute no direction, so renormalise over the rest
@@ -338,7 +352,8 @@ class MarbleBalancer:
             w = self._alpha_bar * active
             alpha_used = w / w.sum() if w.sum() > 0 else active / max(active.sum(), 1)
         if active.any():
-            self._last_grad_norms = np.where(active, norms, 0.0)
+            kept = self._last_grad_norms if self.silent == "hold" and self._last_grad_norms is not None else 0.0
+            self._last_grad_norms = np.where(active, norms, kept)
 
         coeffs = np.zeros(k)
         a = alpha_used[active]
@@ -364,6 +379,16 @@ class MarbleBalancer:
             used_fallback=not res.ok,
         )
         return coeffs, info
+
+    def _ema(self, alpha_star: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """Eq. 12 (``silent="decay"``), or Eq. 12 on the active rewards' share of the simplex (``"hold"``)."""
+        if self.silent == "hold" and not active.all():
+            share = self._alpha_bar[active].sum()
+            ema = self._alpha_bar.copy()
+            ema[active] = self.rho * self._alpha_bar[active] + (1.0 - self.rho) * share * alpha_star[active]
+        else:
+            ema = self.rho * self._alpha_bar + (1.0 - self.rho) * alpha_star
+        return ema / ema.sum()  # stays on the simplex; renormalising only removes rounding drift
 
     @torch.no_grad()
     def solve(self, grads: torch.Tensor) -> tuple[np.ndarray, RefreshInfo]:

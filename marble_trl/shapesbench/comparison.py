@@ -21,16 +21,26 @@ from ..balance.weightings import AGGREGATORS
 from ..scores import mean_sem
 from .scorers import EVAL_NAMES, REWARD_NAMES
 
-BALANCERS = (
-    "weighted_sum",
-    "marble",
+# The multi-reward methods beyond the paper's set (ablations, other weightings), in table order.
+BEYOND_PAPER = (
     "marble_norm_aware",
+    "marble_hold",
+    "marble_norm_aware_hold",
     "marble_estimated",
-    "marble_every_step",
     "marble_every_step_estimated",
     "marble_every_step_estimated_s3",
     *AGGREGATORS,
 )
+MULTI_REWARD_ORDER = (
+    "weighted_sum",
+    "normalize_then_sum",
+    "sequential",
+    "marble",
+    "marble_every_step",
+    "fixed_uniform",
+    *BEYOND_PAPER,
+)
+BALANCERS = ("weighted_sum", "marble", "marble_every_step", *BEYOND_PAPER)  # the balancer comparison's rows
 HELD_OUT = tuple(n for n in EVAL_NAMES if n not in REWARD_NAMES)
 COLUMNS = ("worst_gain", "mean_gain", "held_out_gain", "conflict_rate")
 

@@ -15,7 +15,8 @@ rewards are combined differs:
   ``alpha = 1/K`` at refreshes, ``A_bar = mean_k A_k`` in between): the paper's "fixed uniform alpha" ablation;
 - ``marble_norm_aware``, ``marble_estimated``, ``marble_every_step_estimated`` (``_s3``): MARBLE with norm-aware
   amortised steps, with refreshes estimated from one (micro-batch, timestep) pair of five (N = 10), and the latter at
-  N = 1 (from three pairs of five);
+  N = 1 (from three pairs of five); ``marble_hold`` and ``marble_norm_aware_hold``: MARBLE (and its norm-aware
+  variant) keeping a silent reward's ``alpha_bar`` at refreshes (``marble_silent_rewards="hold"``);
 - ``mgda``, ``upgrad``, ``dualproj``, ``pcgrad``, ``imtl_g``, ``aligned_mtl``, ``cagrad``, ``nash_mtl``: the other Gram
   weightings of ``balance.weightings`` in MARBLE's place, with its N = 10 and EMA (``mgda``: no EMA).
 
@@ -97,6 +98,19 @@ def all_methods(rewards: tuple[str, ...] = tuple(REWARD_NAMES)) -> dict[str, Met
             "marble_norm_aware",
             rewards,
             {**marble, "marble_amortised_update": "norm_aware", "log_update_cosines": True},
+        ),
+        # Silent specialists keep their alpha_bar at refreshes (marble_silent_rewards="hold"), alone and with
+        # norm-aware amortised steps: the ablation of why MARBLE at N = 10 loses the specialists (docs/shapesbench.md).
+        Method("marble_hold", rewards, {**marble, "marble_silent_rewards": "hold", "log_update_cosines": True}),
+        Method(
+            "marble_norm_aware_hold",
+            rewards,
+            {
+                **marble,
+                "marble_amortised_update": "norm_aware",
+                "marble_silent_rewards": "hold",
+                "log_update_cosines": True,
+            },
         ),
         Method("marble_estimated", rewards, {**marble, "marble_refresh_subset": 1, "log_update_cosines": True}),
         *(

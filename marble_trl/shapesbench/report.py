@@ -26,27 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from ..balance.weightings import AGGREGATORS
 from ..scores import composite_zscores, markdown_table, mean_sem, write_csv
 from .bench import eval_images, images_per_prompt
 from .comparison import COLUMNS as COMPARISON_COLUMNS
-from .comparison import balancer_comparison
+from .comparison import MULTI_REWARD_ORDER, balancer_comparison
 from .methods import all_methods
 from .scorers import EVAL_NAMES, REWARD_NAMES, STRESS_REWARDS
-
-MULTI_REWARD_ORDER = (
-    "weighted_sum",
-    "normalize_then_sum",
-    "sequential",
-    "marble",
-    "marble_every_step",
-    "fixed_uniform",
-    "marble_norm_aware",
-    "marble_estimated",
-    "marble_every_step_estimated",
-    "marble_every_step_estimated_s3",
-    *AGGREGATORS,
-)
 
 
 def load_runs(out_dir: str | Path) -> list[dict[str, Any]]:

@@ -112,6 +112,7 @@ def make_balancer(aggregation: str, args, reward_names: list[str]):
         refresh_interval=args.marble_refresh_interval,
         uniform_final_steps=args.marble_uniform_final_steps,
         amortised=args.marble_amortised_update,
+        silent=args.marble_silent_rewards,
         **extra,
     )
 
