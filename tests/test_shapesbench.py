@@ -143,6 +143,16 @@ def test_methods_catalogue_and_stage_schedule():
     assert methods["stress_marble"].rewards == ("sharpness", "compressibility", "color", "count", "position")
 
 
+def test_every_methods_overrides_make_a_valid_config(tmp_path):
+    from marble_trl.shapesbench.bench import Budget, _config
+    from marble_trl.shapesbench.methods import all_methods
+
+    for method in all_methods().values():
+        args = _config(method, 0, Budget(), str(tmp_path))  # __post_init__ checks every field
+        assert all(getattr(args, k) == v for k, v in method.overrides.items()), method.name
+    assert _config(all_methods()["marble_hold"], 0, Budget(), str(tmp_path)).marble_silent_rewards == "hold"
+
+
 def test_held_out_set_gives_count_captions_enough_images():
     from collections import Counter
 
