@@ -8,6 +8,7 @@ import logging
 import math
 
 from .advantages import SCALE_REWARDS
+from .balance.marble import AMORTISED_MODES, SILENT_MODES
 from .balance.weightings import AGGREGATORS
 from .nft import DECAY_TYPES
 from .resume import APPLIED_FIELDS, EXACT_FIELDS
@@ -132,11 +133,11 @@ def check_fields(self) -> None:
         f"marble_refresh_update='gradient', got {self.marble_refresh_update!r}.",
     )
     need(
-        self.marble_amortised_update in ("alpha_bar", "norm_aware"),
+        self.marble_amortised_update in AMORTISED_MODES,
         f"marble_amortised_update must be 'alpha_bar' or 'norm_aware', got {self.marble_amortised_update!r}.",
     )
     need(
-        self.marble_silent_rewards in ("decay", "hold"),
+        self.marble_silent_rewards in SILENT_MODES,
         f"marble_silent_rewards must be 'decay' or 'hold', got {self.marble_silent_rewards!r}.",
     )
     need(self.marble_uniform_final_steps >= 0, "marble_uniform_final_steps must be >= 0.")
