@@ -2,13 +2,14 @@
 
 The shapes model's joint attention sees 64 image tokens and 85 text tokens (CLIP's 77, padded, plus T5's 8), so
 the text stream is most of every forward. This script times a ShapesBench method's optimizer step on the shipped
-`shapes` model as it is and with both CLIP tokenizers cut to ``--clip-tokens`` (the prompts fit in 16), side by side:
+`shapes` model as it is and with both CLIP tokenizers cut to ``--clip-tokens`` side by side (the tokenizer is
+character-level: the world's longest caption is 28 tokens, so the default is 32 and a shorter context is refused):
 each round runs every context in its own subprocess, and each ratio is the median over rounds of (77-token step time /
 short step time) within the round. The short context changes the model's inputs (the transformer attends to the pad
 tokens it was pretrained with), so it measures cost only: a world that used it would pretrain its base with it.
 
-    python benchmarks/shapes_context.py                              # only_count and marble, 3 rounds, 16 tokens
-    python benchmarks/shapes_context.py --methods weighted_sum --clip-tokens 24 --rounds 2
+    python benchmarks/shapes_context.py                              # only_count and marble, 3 rounds, 32 tokens
+    python benchmarks/shapes_context.py --methods weighted_sum --clip-tokens 40 --rounds 2
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-model", help=argparse.SUPPRESS)
     parser.add_argument("--methods", nargs="+", default=["only_count", "marble"], help="ShapesBench methods")
-    parser.add_argument("--clip-tokens", type=int, default=16, help="the short CLIP context (the shipped one: 77)")
+    parser.add_argument(
+        "--clip-tokens", type=int, default=32, help="the short CLIP context (the shipped one: 77; >= 28)"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="optimizer steps before the timed window")
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps (10: one MARBLE refresh)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -91,7 +94,13 @@ def main() -> None:
         worker(args)
         return
 
+    from marble_trl.models.tiny import tiny_clip_tokenizer
     from marble_trl.shapesbench.shipped import base_model
+    from marble_trl.shapesbench.world import all_scenes
+
+    longest = max(len(tiny_clip_tokenizer()(s.prompt).input_ids) for s in all_scenes())
+    if args.clip_tokens < longest:
+        sys.exit(f"--clip-tokens {args.clip_tokens} would truncate captions: the longest is {longest} tokens")
 
     tmp = Path(tempfile.mkdtemp(prefix="shapes-context-models-"))
     models = {77: base_model(), args.clip_tokens: shortened(base_model(), args.clip_tokens, tmp / "short")}

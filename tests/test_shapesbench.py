@@ -288,6 +288,27 @@ def test_pretraining_is_deterministic_and_cached(tmp_path, monkeypatch):
     assert PretrainConfig(seed=1).key() != PretrainConfig().key()
 
 
+def test_pretraining_with_a_short_clip_context(tmp_path, monkeypatch):
+    """``clip_max_length`` pads both CLIP tokenizers to fewer tokens; the saved pipeline loads with that context and
+    still encodes the longest caption whole; 77 (CLIP's) keeps the hash the field's absence had."""
+    from marble_trl.models import load_sd3_pipeline
+    from marble_trl.shapesbench.pretrain import PretrainConfig, longest_caption_tokens, pretrain
+    from marble_trl.shapesbench.world import all_scenes
+
+    tiny = dict(num_images=16, vae_steps=1, steps=1, warmup_steps=1, batch_size=4, vae_batch_size=4, num_layers=1)
+    assert PretrainConfig(clip_max_length=77).key() == "835ec3e7e9d8"  # the shipped model's name
+    assert PretrainConfig(clip_max_length=32).key() != PretrainConfig().key()
+    with pytest.raises(ValueError, match="clip_max_length=16.*truncate"):
+        PretrainConfig(clip_max_length=16)
+    monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path))
+    pipe = load_sd3_pipeline(str(pretrain(PretrainConfig(clip_max_length=32, **tiny), quiet=True)))
+    assert pipe.tokenizer_max_length == 32 and pipe.tokenizer_2.model_max_length == 32
+    longest = max((s.prompt for s in all_scenes()), key=lambda p: len(pipe.tokenizer(p).input_ids))
+    assert len(pipe.tokenizer(longest).input_ids) == longest_caption_tokens() <= 32
+    embeds, _, _, _ = pipe.encode_prompt(longest, None, None, do_classifier_free_guidance=False, max_sequence_length=8)
+    assert embeds.shape[1] == 32 + 8  # the joint text stream: CLIP's context, then T5's (here zeros) 8 tokens
+
+
 def test_runner_keeps_going_after_a_failed_run(tmp_path, monkeypatch):
     """One failed run is reported at the end; it does not cancel the runs still pending (ThreadPoolExecutor.map
     cancels them when a result raises), and seed-0-only runs come after every seed."""

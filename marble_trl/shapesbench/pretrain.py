@@ -51,16 +51,42 @@ class PretrainConfig:
     text_hidden: int = 32
     shift: float = 3.0
     threads: int = 1
+    # Both CLIP tokenizers pad to this many tokens (CLIP's 77 by default). The text stream is most of the joint
+    # attention's tokens at 32 px (64 image tokens), so a context just above the longest caption (28 characters'
+    # tokens) makes every forward cheaper; the transformer then never sees the long tail of pad tokens.
+    clip_max_length: int = 77
+
+    def __post_init__(self) -> None:
+        longest = longest_caption_tokens()
+        if not longest <= self.clip_max_length <= 77:
+            raise ValueError(
+                f"PretrainConfig.clip_max_length={self.clip_max_length}: must be between the longest caption's "
+                f"{longest} tokens (shorter would truncate prompts) and CLIP's 77 position embeddings."
+            )
 
     def key(self) -> str:
-        """A short hash of the config (and the format version): the cache folder name."""
-        return config_key(self, FORMAT_VERSION)
+        """A short hash of the config (and the format version): the cache folder name. ``clip_max_length`` came
+        later and is hashed only when it is not 77, so models built before it keep their names."""
+        fields = asdict(self)
+        if fields["clip_max_length"] == 77:
+            del fields["clip_max_length"]
+        return config_key(fields, FORMAT_VERSION)
 
 
 def config_key(config, format_version: int) -> str:
-    """A short hash of a config dataclass and its file format version: the name of what it builds."""
-    blob = json.dumps({**asdict(config), "format": format_version}, sort_keys=True)
+    """A short hash of a config (a dataclass or its field dict) and its file format version: the name of what it
+    builds."""
+    fields = config if isinstance(config, dict) else asdict(config)
+    blob = json.dumps({**fields, "format": format_version}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def longest_caption_tokens() -> int:
+    """The longest world caption in the tiny CLIP tokenizer's tokens (with the start and end tokens)."""
+    from ..models.tiny import tiny_clip_tokenizer
+
+    tokenizer = tiny_clip_tokenizer()
+    return max(len(tokenizer(s.prompt).input_ids) for s in all_scenes())
 
 
 def cache_root() -> Path:
@@ -188,6 +214,11 @@ def pretrain(config: PretrainConfig | None = None, force: bool = False, quiet: b
             text_hidden=config.text_hidden,
         )
         pipe.scheduler.register_to_config(shift=config.shift)
+        for tokenizer in (pipe.tokenizer, pipe.tokenizer_2):
+            tokenizer.model_max_length = config.clip_max_length
+        pipe.tokenizer_max_length = (
+            config.clip_max_length
+        )  # read once at construction; a loaded pipeline reads it back
         _log(f"corpus {len(scenes)} images; training the VAE ({config.vae_steps} steps)", quiet)
         vae_mse = train_vae(pipe.vae, pixels, config, gen, quiet)
         raw = _encode_latents(pipe.vae, pixels)
