@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,20 +38,15 @@ def shortened(model: Path, tokens: int, into: Path) -> Path:
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    from transformers import TrainerCallback
 
     from marble_trl.shapesbench.bench import Budget, _config
-    from marble_trl.shapesbench.methods import all_methods
+    from marble_trl.shapesbench.methods import StepTimer, all_methods
     from marble_trl.shapesbench.scorers import REWARDS
     from marble_trl.shapesbench.world import family_dataset, train_dataset
     from marble_trl.trainer import MarbleDiffusionNFTTrainer
 
     torch.set_num_threads(args.threads)
-    stamps: list[float] = []
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, *_, **__):
-            stamps.append(time.perf_counter())
+    timer = StepTimer()
 
     method = all_methods()[args.worker]
     budget = replace(Budget(), steps=args.warmup + args.steps)
@@ -61,15 +55,14 @@ def worker(args: argparse.Namespace) -> None:
         reward_funcs=[REWARDS[r] for r in method.rewards],
         args=_config(method, 0, budget, tempfile.mkdtemp(prefix="shapes-context-")),
         train_dataset=family_dataset(method.family) if method.family else train_dataset(),
-        callbacks=[Stamp()],
+        callbacks=[timer],
     )
     trainer.train()
-    window = stamps[args.warmup - 1 :]
     logs = [h for h in trainer.state.log_history[args.warmup :] if "time/train" in h]
     print(
         json.dumps(
             {
-                "step_time": (window[-1] - window[0]) / (len(window) - 1),
+                "step_time": statistics.fmean(timer.step_times()[args.warmup :]),
                 "rollout": statistics.mean(float(h["time/rollout"]) for h in logs),
                 "train": statistics.mean(float(h["time/train"]) for h in logs),
             }

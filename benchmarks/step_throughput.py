@@ -22,7 +22,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 
 CONFIGS = {
     "weighted_sum": {"multi_objective_aggregation": "sum_then_normalize"},
@@ -42,18 +41,14 @@ REWARDS = ["brightness", "contrast", "saturation", "jpeg_compressibility", "dark
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    from transformers import TrainerCallback
 
     from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
     from marble_trl.data import load_prompt_dataset
     from marble_trl.models import build_tiny_sd3_pipeline
+    from marble_trl.shapesbench.methods import StepTimer
 
     torch.set_num_threads(args.threads)
-    stamps: list[float] = []
-
-    class Stamp(TrainerCallback):
-        def on_step_end(self, *_, **__):
-            stamps.append(time.perf_counter())
+    timer = StepTimer()
 
     model = (
         build_tiny_sd3_pipeline(seed=0, num_layers=args.layers, latent_size=args.latent_size)
@@ -84,13 +79,12 @@ def worker(args: argparse.Namespace) -> None:
         **({"marble_refresh_subset": args.subset} if CONFIGS[args.worker].get("subset") else {}),
     )
     trainer = MarbleDiffusionNFTTrainer(
-        model, REWARDS[: args.num_rewards], args=config, train_dataset=load_prompt_dataset(), callbacks=[Stamp()]
+        model, REWARDS[: args.num_rewards], args=config, train_dataset=load_prompt_dataset(), callbacks=[timer]
     )
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
-    window = stamps[args.warmup - 1 :]
-    step_time = (window[-1] - window[0]) / (len(window) - 1)
+    step_time = statistics.fmean(timer.step_times()[args.warmup :])
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated() / 2**30
         unit = "GiB (CUDA allocated)"
