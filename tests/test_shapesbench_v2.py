@@ -3,6 +3,7 @@ and the shipped weights (judges and the ``shapes`` base model)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -175,6 +176,24 @@ def test_balancer_comparison_gains_and_conflicts_over_seeds():
     assert raw[0]["mean_gain"] == pytest.approx(0.2 * (k - 2) / k)  # (k - 1) gains of g, one of -g
     assert raw[0]["held_out_gain"] == pytest.approx(0.2) and len(HELD_OUT) >= 2
     assert raw[0]["conflict_rate"] == 0.25 and display[0]["conflict_rate"] == "0.250 ± 0.050"
+    assert display[0]["silent_refreshes"] == "n/a"  # no refresh in these runs' logs
+
+
+def test_silent_refreshes_counts_rewards_without_signal_at_refresh_steps():
+    from marble_trl.shapesbench.comparison import silent_refreshes
+
+    refresh = lambda **zero_std: {  # noqa: E731
+        **{f"marble/alpha/{n}": 0.5 for n in ("color", "count")},
+        **{f"rewards/{n}/frac_zero_std": v for n, v in zero_std.items()},
+    }
+    history = [
+        refresh(color=1.0, count=0.5),  # color silent
+        {"rewards/color/frac_zero_std": 1.0, "rewards/count/frac_zero_std": 1.0},  # an amortised step: not counted
+        refresh(color=0.75),  # count not logged (no prompt of its family): silent
+        refresh(color=0.25, count=0.0),
+    ]
+    assert silent_refreshes({"rewards": ["color", "count"], "log_history": history}) == pytest.approx(2 / 6)
+    assert math.isnan(silent_refreshes({"rewards": ["color"], "log_history": history[1:2]}))  # no refresh
 
 
 def test_claims_rank_only_methods_run_on_as_many_seeds_as_marble():

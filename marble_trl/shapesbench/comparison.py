@@ -4,7 +4,9 @@ multi-objective optimisation, side by side on what does not depend on which othe
 
 Per method, mean +- s.e.m. over seeds of: the worst and the mean training-reward gain over the base (held-out
 images), the mean held-out-only gain (the rewards never trained on: fidelity, judge), and the all-step conflict rate
-(Table S1: the share of steps whose update has a negative cosine with some reward's gradient). The composite z-score
+(Table S1: the share of steps whose update has a negative cosine with some reward's gradient) and, for MARBLE's
+variants, the share of (refresh, training reward) pairs in which the reward had no signal (no group with spread:
+its alpha* is 0 there). The composite z-score
 of Table 1 is left out: it is standardised over the methods present in each seed, so it moves when methods are added.
 Throughput is measured side by side by ``benchmarks/step_throughput.py`` (docs/marble.md), not here: these runs share
 the machine and log per-step diagnostics.
@@ -42,7 +44,19 @@ MULTI_REWARD_ORDER = (
 )
 BALANCERS = ("weighted_sum", "marble", "marble_every_step", *BEYOND_PAPER)  # the balancer comparison's rows
 HELD_OUT = tuple(n for n in EVAL_NAMES if n not in REWARD_NAMES)
-COLUMNS = ("worst_gain", "mean_gain", "held_out_gain", "conflict_rate")
+COLUMNS = ("worst_gain", "mean_gain", "held_out_gain", "conflict_rate", "silent_refreshes")
+
+
+def silent_refreshes(run: dict[str, Any]) -> float:
+    """The share of (QP refresh, training reward) pairs of a run in which the reward had no signal: every group of
+    the step tied or not applicable (``rewards/<name>/frac_zero_std`` 1). ``nan`` for a run without refreshes."""
+    pairs = [
+        step.get(f"rewards/{name}/frac_zero_std", 1.0) >= 1.0
+        for step in run.get("log_history", [])
+        for name in run["rewards"]
+        if f"marble/alpha/{name}" in step
+    ]
+    return statistics.fmean(pairs) if pairs else float("nan")
 
 
 def _pm(mean: float, sem: float) -> str:
@@ -68,6 +82,8 @@ def balancer_comparison(
         stats["worst_gain"].append(min(gains))
         stats["mean_gain"].append(statistics.fmean(gains))
         stats["held_out_gain"].append(statistics.fmean(r["eval"][n] - base[n] for n in HELD_OUT))
+        if (silent := silent_refreshes(r)) == silent:
+            stats["silent_refreshes"].append(silent)
     display, raw = [], []
     for method in (m for m in BALANCERS if m in per_method):
         stats = per_method[method]
@@ -80,6 +96,9 @@ def balancer_comparison(
         mean, sem = (row["conflict_rate"], row["conflict_rate_sem"]) if row else (float("nan"), float("nan"))
         d["conflict_rate"] = "n/a" if mean != mean else (f"{mean:.3f}" if sem != sem else f"{mean:.3f} ± {sem:.3f}")
         w["conflict_rate"], w["conflict_rate_sem"] = mean, sem
+        mean, sem, _ = mean_sem(stats["silent_refreshes"]) if stats["silent_refreshes"] else (float("nan"),) * 3
+        d["silent_refreshes"] = "n/a" if mean != mean else (f"{mean:.2f}" if sem != sem else f"{mean:.2f} ± {sem:.2f}")
+        w["silent_refreshes"], w["silent_refreshes_sem"] = mean, sem
         d["seeds"] = w["seeds"]
         display.append(d)
         raw.append(w)
