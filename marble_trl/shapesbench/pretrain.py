@@ -15,6 +15,7 @@ folder is reused; the folder is written atomically (temporary folder, then renam
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -81,6 +82,7 @@ def config_key(config, format_version: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+@functools.cache
 def longest_caption_tokens() -> int:
     """The longest world caption in the tiny CLIP tokenizer's tokens (with the start and end tokens)."""
     from ..models.tiny import tiny_clip_tokenizer
