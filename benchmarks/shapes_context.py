@@ -87,11 +87,10 @@ def main() -> None:
         worker(args)
         return
 
-    from marble_trl.models.tiny import tiny_clip_tokenizer
+    from marble_trl.shapesbench.pretrain import longest_caption_tokens
     from marble_trl.shapesbench.shipped import base_model
-    from marble_trl.shapesbench.world import all_scenes
 
-    longest = max(len(tiny_clip_tokenizer()(s.prompt).input_ids) for s in all_scenes())
+    longest = longest_caption_tokens()
     if args.clip_tokens < longest:
         sys.exit(f"--clip-tokens {args.clip_tokens} would truncate captions: the longest is {longest} tokens")
 

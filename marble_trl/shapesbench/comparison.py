@@ -59,6 +59,12 @@ def silent_refreshes(run: dict[str, Any]) -> float:
     return statistics.fmean(pairs) if pairs else float("nan")
 
 
+def _rate(mean: float, sem: float, digits: int) -> str:
+    if mean != mean:  # nan
+        return "n/a"
+    return f"{mean:.{digits}f}" if sem != sem else f"{mean:.{digits}f} ± {sem:.{digits}f}"
+
+
 def _pm(mean: float, sem: float) -> str:
     if mean != mean:  # nan
         return "n/a"
@@ -94,10 +100,10 @@ def balancer_comparison(
             d[key], w[key], w[f"{key}_sem"] = _pm(mean, sem), mean, sem
         row = conflict.get(method)
         mean, sem = (row["conflict_rate"], row["conflict_rate_sem"]) if row else (float("nan"), float("nan"))
-        d["conflict_rate"] = "n/a" if mean != mean else (f"{mean:.3f}" if sem != sem else f"{mean:.3f} ± {sem:.3f}")
+        d["conflict_rate"] = _rate(mean, sem, 3)
         w["conflict_rate"], w["conflict_rate_sem"] = mean, sem
         mean, sem, _ = mean_sem(stats["silent_refreshes"]) if stats["silent_refreshes"] else (float("nan"),) * 3
-        d["silent_refreshes"] = "n/a" if mean != mean else (f"{mean:.2f}" if sem != sem else f"{mean:.2f} ± {sem:.2f}")
+        d["silent_refreshes"] = _rate(mean, sem, 2)
         w["silent_refreshes"], w["silent_refreshes_sem"] = mean, sem
         d["seeds"] = w["seeds"]
         display.append(d)

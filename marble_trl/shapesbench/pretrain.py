@@ -53,8 +53,8 @@ class PretrainConfig:
     shift: float = 3.0
     threads: int = 1
     # Both CLIP tokenizers pad to this many tokens (CLIP's 77 by default). The text stream is most of the joint
-    # attention's tokens at 32 px (64 image tokens), so a context just above the longest caption (28 characters'
-    # tokens) makes every forward cheaper; the transformer then never sees the long tail of pad tokens.
+    # attention's tokens at 32 px (64 image tokens), so a context just above the longest caption (28 tokens of the
+    # character-level tokenizer) makes every forward cheaper; the transformer then never sees the long pad tail.
     clip_max_length: int = 77
 
     def __post_init__(self) -> None:
