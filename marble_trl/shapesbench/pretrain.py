@@ -31,6 +31,7 @@ from ..models import build_tiny_sd3_pipeline, predict_velocity
 from .world import all_scenes, sample_corpus, to_tensor
 
 FORMAT_VERSION = 1
+CLIP_CONTEXT = 77  # CLIP's position embeddings: the longest context, and the default
 
 
 @dataclass(frozen=True)
@@ -55,21 +56,21 @@ class PretrainConfig:
     # Both CLIP tokenizers pad to this many tokens (CLIP's 77 by default). The text stream is most of the joint
     # attention's tokens at 32 px (64 image tokens), so a context just above the longest caption (28 tokens of the
     # character-level tokenizer) makes every forward cheaper; the transformer then never sees the long pad tail.
-    clip_max_length: int = 77
+    clip_max_length: int = CLIP_CONTEXT
 
     def __post_init__(self) -> None:
         longest = longest_caption_tokens()
-        if not longest <= self.clip_max_length <= 77:
+        if not longest <= self.clip_max_length <= CLIP_CONTEXT:
             raise ValueError(
                 f"PretrainConfig.clip_max_length={self.clip_max_length}: must be between the longest caption's "
-                f"{longest} tokens (shorter would truncate prompts) and CLIP's 77 position embeddings."
+                f"{longest} tokens (shorter would truncate prompts) and CLIP's {CLIP_CONTEXT} position embeddings."
             )
 
     def key(self) -> str:
         """A short hash of the config (and the format version): the cache folder name. ``clip_max_length`` came
         later and is hashed only when it is not 77, so models built before it keep their names."""
         fields = asdict(self)
-        if fields["clip_max_length"] == 77:
+        if fields["clip_max_length"] == CLIP_CONTEXT:
             del fields["clip_max_length"]
         return config_key(fields, FORMAT_VERSION)
 
@@ -218,9 +219,8 @@ def pretrain(config: PretrainConfig | None = None, force: bool = False, quiet: b
         pipe.scheduler.register_to_config(shift=config.shift)
         for tokenizer in (pipe.tokenizer, pipe.tokenizer_2):
             tokenizer.model_max_length = config.clip_max_length
-        pipe.tokenizer_max_length = (
-            config.clip_max_length
-        )  # read once at construction; a loaded pipeline reads it back
+        # The pipeline reads this once at construction; a loaded pipeline reads it back from the tokenizer.
+        pipe.tokenizer_max_length = config.clip_max_length
         _log(f"corpus {len(scenes)} images; training the VAE ({config.vae_steps} steps)", quiet)
         vae_mse = train_vae(pipe.vae, pixels, config, gen, quiet)
         raw = _encode_latents(pipe.vae, pixels)
