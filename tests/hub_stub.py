@@ -10,7 +10,9 @@ huggingface_hub 2.4 (without ``hf_xet``, or with ``HF_HUB_DISABLE_XET=1``) makes
 
 Like the Hub, it keeps binary files (``.safetensors``, ``.png``, ...) in LFS, checks the uploaded bytes against their
 sha256, requires the bearer token, and fails the commit when an LFS pointer has no uploaded object. Every request is
-recorded; anything else answers 404 and is listed in ``unexpected``.
+recorded; anything else answers 404 and is listed in ``unexpected``, except the lookups that other libraries make
+while a fresh process imports them (``DEPENDENCY_LOOKUPS``): those answer 404 too and are listed in
+``dependency_lookups``, so a test checks only the requests the package itself makes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlparse
@@ -25,6 +28,12 @@ from urllib.parse import unquote, urlparse
 import yaml
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".png", ".jpg", ".ckpt")
+
+# Import-time requests of dependencies, not of marble_trl. bitsandbytes' CPU backend (on CPUs with AVX512-BF16) asks
+# `kernels` for a hub kernel when it is importable (transformers >= 5.25 requires it), and `kernels` first checks the
+# publisher: GET /api/organizations/kernels-community/overview. trl -> transformers -> peft imports bitsandbytes, so
+# every fresh process does this; on a 404 bitsandbytes keeps its built-in CPU ops.
+DEPENDENCY_LOOKUPS = (re.compile(r"^/api/organizations/[^/]+/overview$"),)
 
 
 class StubHub:
@@ -35,6 +44,7 @@ class StubHub:
         self.lfs: dict[str, bytes] = {}
         self.requests: list[tuple[str, str]] = []
         self.unexpected: list[tuple[str, str]] = []
+        self.dependency_lookups: list[tuple[str, str]] = []
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -89,6 +99,9 @@ class StubHub:
         path = unquote(urlparse(request.path).path)
         body = self._body(request)
         self.requests.append((method, path))
+        if method == "GET" and any(lookup.match(path) for lookup in DEPENDENCY_LOOKUPS):
+            self.dependency_lookups.append((method, path))
+            return self._reply(request, 404, {"error": f"stub hub: {path} is not served"})
         if request.headers.get("Authorization") != f"Bearer {self.token}" and not path.startswith("/lfs-upload/"):
             return self._reply(request, 401, {"error": "Invalid credentials in Authorization header"})
         parts = path.strip("/").split("/")
