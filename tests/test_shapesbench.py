@@ -266,6 +266,36 @@ def test_reduced_benchmark_end_to_end(tmp_path, monkeypatch):
         assert name in report
     for png in ("reward_curves.png", "coefficients.png", "cosine_hist.png", "samples.png"):
         assert (out / png).stat().st_size > 1000
+    _check_rescore(out, main)
+
+
+def _check_rescore(out, main) -> None:
+    """A run record written before a held-out reward existed: the report shows n/a for it and leaves it out of the
+    composite; `report --rescore` scores it on the run's saved (uint8) held-out images."""
+    import json
+
+    from marble_trl.scores import mean_sem
+    from marble_trl.shapesbench.bench import eval_images
+
+    later = ("retrieval", "diversity")
+    path = out / "runs" / "marble-seed0.json"
+    record = json.loads(path.read_text())
+    assert all(math.isfinite(record["eval"][n]) for n in later)
+    stripped = {**record, "eval": {k: v for k, v in record["eval"].items() if k not in later}}
+    path.write_text(json.dumps(stripped))
+    main(["report", "--out", str(out)])
+    rows = {r["method"]: r for r in csv.DictReader((out / "table1_rewards.csv").open())}
+    assert math.isnan(float(rows["marble"]["retrieval"])) and math.isfinite(float(rows["sequential"]["retrieval"]))
+    main(["report", "--out", str(out), "--rescore"])
+    again = json.loads(path.read_text())
+    saved = torch.load(out / "runs" / "marble-seed0.images.pt")["eval"].float() / 255
+    prompts = [s.prompt for s in eval_images(record["budget"])]
+    for name in later:
+        assert again["eval"][name] == mean_sem(S.REWARDS[name](prompts, saved))[0]
+    assert again["eval"]["diversity"] == pytest.approx(record["eval"]["diversity"], abs=0.01)  # uint8 rounding
+    assert {k: v for k, v in again["eval"].items() if k not in later} == stripped["eval"]
+    rows = {r["method"]: r for r in csv.DictReader((out / "table1_rewards.csv").open())}
+    assert math.isfinite(float(rows["marble"]["retrieval"]))
 
 
 def test_pretraining_is_deterministic_and_cached(tmp_path, monkeypatch):

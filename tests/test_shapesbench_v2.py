@@ -112,6 +112,64 @@ def test_fidelity_ranks_world_above_blur_blobs_stripes_and_empty():
     assert scorers.fidelity(prompts[:1], torch.full((1, 3, 32, 32), 13 / 255)) == [0.0]
 
 
+def test_retrieval_is_chance_for_any_prompt_independent_image_and_high_on_the_world():
+    """``retrieval`` ranks an image's caption among its family's captions by the held-out judge: the world's images
+    rank their own caption near the top, and one image drawn for every caption of a family averages exactly 0.5
+    (its ranks are a permutation), whatever the image; the general family's captions name nothing (``None``)."""
+    prompts, images, _ = _world_batch(per_prompt=2)
+    families = [s.family for s in world.all_scenes() for _ in range(2)]
+    scores = scorers.retrieval(prompts, images)
+    by_family = lambda values, f: [v for v, g in zip(values, families) if g == f]  # noqa: E731
+    assert all(v is None for v in by_family(scores, "general"))
+    for family in ("color", "count", "position"):
+        assert np.mean(by_family(scores, family)) > 0.8, family
+    one = world.all_scenes()
+    gen = torch.Generator().manual_seed(1)
+    for label, x in _degenerate(1, gen, images[:1]).items():
+        fixed = scorers.retrieval([s.prompt for s in one], x.expand(len(one), 3, 32, 32))
+        for family in ("color", "count", "position"):
+            values = [v for v, s in zip(fixed, one) if s.family == family]
+            assert np.mean(values) == pytest.approx(0.5, abs=1e-12), (label, family)
+    with pytest.raises(ValueError, match="world's captions only.*a purple cow"):
+        scorers.retrieval(["a purple cow"], images[:1])
+
+
+def test_caption_ranks_match_the_judges_own_scores_and_count_ties_half():
+    """``caption_ranks`` reuses the judge's image features across candidates: its ranks equal those from scoring
+    every (candidate, image) pair with ``judge_scores``, and a candidate list with the caption twice is a tie."""
+    prompts, images, _ = _world_batch(per_prompt=1)
+    cands = [[s.prompt for s in world.all_scenes() if s.family == "count"]] * 12
+    idx = [i for i, s in enumerate(world.all_scenes()) if s.family == "count"]
+    ranks = judges.caption_ranks("judge", [prompts[i] for i in idx], images[idx], cands)
+    for r, i in zip(ranks, idx):
+        scores = np.array(judges.judge_scores("judge", cands[0], images[i : i + 1].expand(12, 3, 32, 32)))
+        own = scores[cands[0].index(prompts[i])]
+        assert r == pytest.approx(((scores < own).sum() + 0.5 * ((scores == own).sum() - 1)) / 11)
+    assert judges.caption_ranks("judge", [prompts[0]], images[:1], [[prompts[0], prompts[0]]]) == [0.5]
+    with pytest.raises(ValueError, match="needs its own caption"):
+        judges.caption_ranks("judge", [prompts[0]], images[:1], [[prompts[1], prompts[2]]])
+
+
+def test_diversity_is_zero_for_a_fixed_picture_about_one_on_the_world_and_per_caption():
+    """``diversity``: squared distance to the other images of the caption over the world's expectation of it."""
+    prompts, images, _ = _world_batch(per_prompt=6, seed=900)
+    scores = np.array(scorers.diversity(prompts, images), dtype=float)
+    assert 0.8 < scores.mean() <= 1.0  # the world's images score about 1 (clipped per image)
+    first = [i for i in range(len(prompts)) if i % 6 == 0]
+    collapsed = images.clone()
+    for i in first:
+        collapsed[i : i + 6] = images[i]  # one picture per caption, whatever the noise
+    assert scorers.diversity(prompts, collapsed) == [0.0] * len(prompts)
+    # per caption: a permutation of the batch, or other captions' images, change nothing
+    perm = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(0)).tolist()
+    permuted = scorers.diversity([prompts[i] for i in perm], images[perm])
+    assert np.allclose(permuted, scores[perm], rtol=1e-12, atol=0)
+    assert np.allclose(scorers.diversity(prompts[:6], images[:6]), scores[:6], rtol=1e-12, atol=0)
+    assert scorers.diversity(prompts[:1], images[:1]) == [None]  # alone with its caption
+    noise = torch.rand(12, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    assert scorers.diversity(prompts[:12], noise) == [1.0] * 12  # noise is diverse: read it beside fidelity
+
+
 def test_judges_train_deterministically(monkeypatch, tmp_path):
     """A judge is a pure function of its config: two trainings give bit-identical weights (small config)."""
     config = judges.JudgeConfig(name="t", seed=5, num_images=64, steps=3, batch_size=8, width=4, embed=8)

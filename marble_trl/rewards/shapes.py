@@ -13,7 +13,7 @@ import torch
 
 from .registry import register_reward
 
-NAMES = ("alignment", "preference", "color", "count", "position", "fidelity", "judge")
+NAMES = ("alignment", "preference", "color", "count", "position", "fidelity", "judge", "retrieval", "diversity")
 
 
 def _make(name: str):

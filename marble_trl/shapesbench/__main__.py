@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("verify-shipped", help="rebuild the shipped weights from scratch and compare them bit for bit")
     rep = sub.add_parser("report", help="(re)write the tables and plots from the run records in --out")
     rep.add_argument("--out", default=DEFAULT_OUT)
+    rep.add_argument(
+        "--rescore", action="store_true", help="first add held-out rewards the run records lack, from saved images"
+    )
     args = parser.parse_args(argv)
 
     from .report import write_report
@@ -85,6 +88,10 @@ def main(argv: list[str] | None = None) -> None:
         print(write_report(args.out))
         print(f"tables and plots in {Path(args.out).resolve()}")
     else:
+        if args.rescore:
+            from .bench import rescore
+
+            print(f"rescored: {rescore(args.out) or 'nothing to add'}")
         print(write_report(args.out))
 
 

@@ -27,7 +27,7 @@ import torch
 from ..models.sd3 import DEFAULT_LORA_TARGETS
 from ..scores import mean_sem
 from .methods import Method, StepTimer, all_methods, attach
-from .scorers import REWARD_NAMES, REWARDS, score_all
+from .scorers import HELD_OUT_REWARDS, REWARD_NAMES, REWARDS, score_all
 from .world import COLUMNS, Scene, eval_scenes, family_dataset, train_dataset
 
 # The reference's attention projections, plus proj_out so the tiny model can move colours quickly.
@@ -260,6 +260,36 @@ def run_benchmark(
     return paths
 
 
+def rescore(out_dir: str | Path) -> list[str]:
+    """Add to each run record under ``out_dir`` the held-out rewards it lacks (scorers added after it ran), scored
+    on its saved held-out images (``runs/<run>.images.pt``; the base's too where saved). Those images are uint8, so
+    a score can differ from one on the run's float images by the rounding (1/255 per pixel). Returns the runs
+    changed; a run without saved images keeps its columns, and the report shows n/a where a column is missing."""
+    changed = []
+    for path in sorted(Path(out_dir, "runs").glob("*.json")):
+        record = json.loads(path.read_text())
+        images_path = path.with_name(path.stem + ".images.pt")
+        if not images_path.is_file():
+            continue
+        saved = torch.load(images_path)
+        scenes = eval_images(record["budget"])
+        prompts = [s.prompt for s in scenes]
+        columns = {c: [s.columns()[c] for s in scenes] for c in COLUMNS}
+        touched = False
+        for key, images_key in (("eval", "eval"), ("base_eval", "base")):
+            missing = [n for n in HELD_OUT_REWARDS if record.get(key) is not None and n not in record[key]]
+            if not missing or saved.get(images_key) is None:
+                continue
+            scores = score_all(prompts, saved[images_key].float() / 255, columns, names=missing)
+            for name, values in scores.items():
+                record[key][name], record[f"{key}_sem"][name], _ = mean_sem(values)
+            touched = True
+        if touched:
+            path.write_text(json.dumps(record, default=_json_default))
+            changed.append(path.stem)
+    return changed
+
+
 def worker_main(argv: Sequence[str]) -> None:
     """Entry point of one subprocess run (``python -m marble_trl.shapesbench _worker ...``)."""
     import argparse
@@ -275,4 +305,4 @@ def worker_main(argv: Sequence[str]) -> None:
     run_one(all_methods()[args.method], args.seed, budget, args.model, Path(args.out))
 
 
-__all__ = ["Budget", "REWARD_NAMES", "eval_images", "evaluate", "run_benchmark", "run_one"]
+__all__ = ["Budget", "REWARD_NAMES", "eval_images", "evaluate", "rescore", "run_benchmark", "run_one"]

@@ -3,8 +3,8 @@ variants (norm-aware amortisation, estimated refreshes, every-step refreshes) an
 multi-objective optimisation, side by side on what does not depend on which other methods ran.
 
 Per method, mean +- s.e.m. over seeds of: the worst and the mean training-reward gain over the base (held-out
-images), the mean held-out-only gain (the rewards never trained on: fidelity, judge), and the all-step conflict rate
-(Table S1: the share of steps whose update has a negative cosine with some reward's gradient) and, for MARBLE's
+images), the mean held-out-only gain (over the rewards never trained on that every record has), and the all-step
+conflict rate (Table S1: the share of steps whose update has a negative cosine with some reward's gradient) and, for MARBLE's
 variants, the share of (refresh, training reward) pairs in which the reward had no signal (no group with spread:
 its alpha* is 0 there). The composite z-score
 of Table 1 is left out: it is standardised over the methods present in each seed, so it moves when methods are added.
@@ -78,6 +78,8 @@ def balancer_comparison(
     and s.e.m. over seeds)."""
     bases = {r["seed"]: r["base_eval"] for r in runs if r.get("base_eval")}
     conflict = {row["method"]: row for row in harmony}
+    # the held-out rewards every record has (older records lack those added later; `report --rescore`)
+    held_out = [n for n in HELD_OUT if all(n in r["eval"] for r in runs) and all(n in b for b in bases.values())]
     per_method: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in runs:
         base = bases.get(r["seed"])
@@ -87,7 +89,7 @@ def balancer_comparison(
         stats = per_method[r["method"]]
         stats["worst_gain"].append(min(gains))
         stats["mean_gain"].append(statistics.fmean(gains))
-        stats["held_out_gain"].append(statistics.fmean(r["eval"][n] - base[n] for n in HELD_OUT))
+        stats["held_out_gain"].append(statistics.fmean(r["eval"][n] - base[n] for n in held_out))
         if (silent := silent_refreshes(r)) == silent:
             stats["silent_refreshes"].append(silent)
     display, raw = [], []

@@ -107,9 +107,12 @@ class JudgeNet(nn.Module):
         self.head = nn.Sequential(nn.Linear(3 * embed, embed), nn.GELU(), nn.Linear(embed, 1))
 
     def forward(self, images: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        a = self.image(images * 2 - 1)
-        b = self.text(ids, offsets)
-        return self.head(torch.cat([a, b, a * b], dim=1)).squeeze(1)
+        return self.match(self.image(images * 2 - 1), self.text(ids, offsets))
+
+    def match(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The logit of image embeddings ``a`` against caption embeddings ``b`` (broadcast over leading dims)."""
+        a, b = torch.broadcast_tensors(a, b)
+        return self.head(torch.cat([a, b, a * b], dim=-1)).squeeze(-1)
 
 
 # ------------------------------------------------------------------------------------------------ degradations
@@ -278,15 +281,40 @@ def load_judge(name: str) -> tuple[JudgeNet, float]:
     return net.eval().requires_grad_(False), TEMPERATURES[name]
 
 
+def _judge_input(images: torch.Tensor) -> torch.Tensor:
+    x = images.detach().float().cpu().clamp(0, 1)
+    if x.shape[-2:] != (32, 32):
+        x = nn.functional.adaptive_avg_pool2d(x, (32, 32))  # box filter: a 2x nearest upscale comes back exact
+    return x
+
+
 @torch.no_grad()
 def judge_scores(name: str, prompts: list[str], images: torch.Tensor) -> list[float]:
     """``sigmoid(logit / T)`` of judge ``name`` for each ``(prompt, image)``; float32 on CPU, in chunks."""
     net, temperature = load_judge(name)
-    x = images.detach().float().cpu().clamp(0, 1)
-    if x.shape[-2:] != (32, 32):
-        x = nn.functional.adaptive_avg_pool2d(x, (32, 32))  # box filter: a 2x nearest upscale comes back exact
+    x = _judge_input(images)
     out: list[float] = []
     for i in range(0, len(prompts), 256):
         ids, offsets = tokenize(prompts[i : i + 256])
         out += torch.sigmoid(net(x[i : i + 256], ids, offsets) / temperature).tolist()
+    return out
+
+
+@torch.no_grad()
+def caption_ranks(name: str, prompts: list[str], images: torch.Tensor, candidates: list[list[str]]) -> list[float]:
+    """For each image, the share of the other captions in its ``candidates`` (a list that holds its own caption) that
+    judge ``name`` scores below its own caption, ties counting half: 1 when the image is told apart from every
+    candidate, 0.5 by chance. Only the order of the logits counts, so the temperature does not."""
+    net, _ = load_judge(name)
+    x = _judge_input(images)
+    out: list[float] = []
+    for i in range(0, len(prompts), 256):
+        feats = net.image(x[i : i + 256] * 2 - 1)
+        for feat, prompt, cands in zip(feats, prompts[i : i + 256], candidates[i : i + 256], strict=True):
+            if prompt not in cands or len(cands) < 2:
+                raise ValueError(f"caption_ranks: {prompt!r} needs its own caption and another among {cands}")
+            logits = net.match(feat, net.text(*tokenize(list(cands))))
+            own = logits[list(cands).index(prompt)]
+            below = (logits < own).sum().item() + 0.5 * ((logits == own).sum().item() - 1)
+            out.append(below / (len(cands) - 1))
     return out

@@ -76,12 +76,17 @@ def table1(runs: Sequence[dict[str, Any]], stress: bool = False) -> tuple[list[d
     for r in bases:
         per_seed[r["seed"]]["base"] = r["base_eval"]
     rows_order = (["base"] if any("base" in t for t in per_seed.values()) else []) + methods
+    # A held-out reward added after some runs (`report --rescore` fills it from saved images): a column no record has
+    # is left out, a cell is n/a unless every seed of the row has it, and the composite uses the columns all rows have.
+    rows = [row for t in per_seed.values() for row in t.values()]
+    columns = [c for c in columns if any(c in row for row in rows)]
+    common = [c for c in columns if all(c in row for row in rows)]
     composite: dict[str, list[float]] = defaultdict(list)
     worst: dict[str, list[float]] = defaultdict(list)
     for seed in seeds:
         table = {m: per_seed[seed][m] for m in rows_order if m in per_seed[seed]}
         if len(table) >= 2:
-            for m, z in composite_zscores(table, columns=columns).items():
+            for m, z in composite_zscores(table, columns=common).items():
                 composite[m].append(z)
         base = per_seed[seed].get("base")
         if base is not None:
@@ -92,7 +97,8 @@ def table1(runs: Sequence[dict[str, Any]], stress: bool = False) -> tuple[list[d
         d: dict[str, Any] = {"method": m}
         w: dict[str, Any] = {"method": m}
         for col in columns:
-            mean, sem, n = mean_sem(per_seed[s][m][col] for s in seeds if m in per_seed[s])
+            cells = [per_seed[s][m].get(col) for s in seeds if m in per_seed[s]]
+            mean, sem, n = mean_sem(cells) if None not in cells else (math.nan, math.nan, 0)
             d[col] = _pm(mean, sem)
             w[col], w[f"{col}_sem"] = mean, sem
         mean, sem, _ = mean_sem(worst.get(m, []))
@@ -437,7 +443,7 @@ def write_report(out_dir: str | Path, make_plots: bool = True) -> str:
         f"({images_per_prompt(budget, 'count')} per count prompt).\n"
     ]
     t1d, t1r = table1(runs)
-    cols1 = ["method", *EVAL_NAMES, "worst_gain", "composite_z"]
+    cols1 = ["method", *(c for c in EVAL_NAMES if c in t1r[0]), "worst_gain", "composite_z"]
     sections.append("## Table 1: held-out rewards (mean ± s.e.m. over seeds)\n\n" + markdown_table(t1d, cols1))
     write_csv(out_dir / "table1_rewards.csv", t1r, list(t1r[0]))
     (out_dir / "table1_rewards.md").write_text(markdown_table(t1d, cols1))
@@ -454,7 +460,8 @@ def write_report(out_dir: str | Path, make_plots: bool = True) -> str:
 
     if _score_runs(runs, stress=True):
         sd, _ = table1(runs, stress=True)
-        cols_stress = ["method", *STRESS_REWARDS, *EVAL_NAMES[len(REWARD_NAMES) :], "worst_gain", "composite_z"]
+        cols_stress = ["method", *(c for c in [*STRESS_REWARDS, *EVAL_NAMES[len(REWARD_NAMES) :]] if c in sd[0])]
+        cols_stress += ["worst_gain", "composite_z"]
         sections.append("## Stress test: an opposing pair of general rewards\n\n" + markdown_table(sd, cols_stress))
         (out_dir / "table_stress.md").write_text(markdown_table(sd, cols_stress))
 

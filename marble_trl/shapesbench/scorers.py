@@ -34,13 +34,14 @@ GenEval, the colour and position prompts thus also check the object class, with 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 import numpy as np
 import torch
 
 from ..rewards.jpeg import jpeg_kb
-from .judges import judge_scores
-from .world import COLORS, NUMBERS
+from .judges import caption_ranks, judge_scores
+from .world import COLORS, NUMBERS, Scene, all_scenes, render, to_tensor
 
 FG_MIN_VALUE = 0.35
 FG_MIN_SATURATION = 0.45
@@ -281,12 +282,70 @@ def judge(prompts: list[str], images: torch.Tensor, **_) -> list[float]:
     return judge_scores("judge", prompts, images)
 
 
+def retrieval(prompts: list[str], images: torch.Tensor, **_) -> list[float | None]:
+    """Prompt retrieval (a held-out evaluation reward, never trained on): among the world's captions of the image's
+    family, the share the held-out ``judge`` scores below the image's own caption (ties half; :func:`caption_ranks`).
+    ``None`` for the general family, whose captions name nothing. It is the score no prompt-independent generator
+    can raise: the ranks of one fixed image over a family's captions are a permutation, so drawing the same picture
+    for every prompt averages exactly 0.5 over the family, however well the picture scores on ``judge`` itself."""
+    families = _families(tuple(prompts))
+    out: list[float | None] = [None] * len(prompts)
+    idx = [i for i, f in enumerate(families) if f != "general"]
+    if idx:
+        cands = [_FAMILY_CAPTIONS[families[i]] for i in idx]
+        ranks = caption_ranks("judge", [prompts[i] for i in idx], images[idx], cands)
+        for i, r in zip(idx, ranks, strict=True):
+            out[i] = r
+    return out
+
+
+def diversity(prompts: list[str], images: torch.Tensor, **_) -> list[float | None]:
+    """Within-caption diversity (a held-out evaluation reward, never trained on): each image's mean squared pixel
+    distance to the *other images of its caption in the batch*, over the world's own expectation of it (twice its
+    within-caption pixel variance, :func:`world_spread`), clipped to ``[0, 1]``: the world's images score about 1, a
+    model that draws one picture for a caption whatever the noise 0. ``None`` for an image alone with its caption.
+    Noise is diverse too: read it beside ``fidelity``."""
+    _families(tuple(prompts))  # world captions only: the reference is the world's spread for the caption
+    x = images.detach().float().cpu().clamp(0, 1).flatten(1)
+    out: list[float | None] = [None] * len(prompts)
+    for prompt in dict.fromkeys(prompts):
+        idx = [i for i, p in enumerate(prompts) if p == prompt]
+        if len(idx) < 2:
+            continue
+        dist = torch.cdist(x[idx].double(), x[idx].double()).square()
+        mean_dist = dist.sum(1) / (len(idx) - 1)  # the diagonal is 0
+        for i, d in zip(idx, mean_dist.tolist(), strict=True):
+            out[i] = min(1.0, d / world_spread(prompt))
+    return out
+
+
+@cache
+def world_spread(prompt: str, n: int = 64) -> float:
+    """Twice the world's within-caption pixel variance (summed over pixels) for ``prompt``: the expected squared
+    distance between two of its images, estimated from ``n`` renders with seeds no pretraining corpus uses."""
+    scene = Scene(**{k: v for k, v in _SCENES[prompt].columns().items() if k != "source"})
+    x = to_tensor(np.stack([render(scene, 2**40 + i) for i in range(n)])).double().flatten(1)
+    return float(2 * x.var(0).sum())
+
+
+_SCENES = {s.prompt: s for s in all_scenes()}
+_FAMILY_CAPTIONS = {f: [s.prompt for s in all_scenes() if s.family == f] for f in ("color", "count", "position")}
+_PROMPT_FAMILY = {p: s.family for p, s in _SCENES.items()}
+
+
+def _families(prompts: tuple[str, ...]) -> list[str]:
+    unknown = sorted({p for p in prompts if p not in _PROMPT_FAMILY})
+    if unknown:
+        raise ValueError(f"shapes retrieval and diversity score the world's captions only; not one: {unknown[:3]}")
+    return [_PROMPT_FAMILY[p] for p in prompts]
+
+
 # The v2 training rewards: two general (every prompt), three specialist (their family only).
 GENERAL_REWARDS = {"alignment": alignment, "preference": preference}
 SPECIALIST_REWARDS = {"color": color, "count": count, "position": position}
 TRAIN_REWARDS = {**GENERAL_REWARDS, **SPECIALIST_REWARDS}
 # Held out: scored on every evaluation, never trained on (the paper's Aesthetic / ImageReward / UnifiedReward role).
-HELD_OUT_REWARDS = {"fidelity": fidelity, "judge": judge}
+HELD_OUT_REWARDS = {"fidelity": fidelity, "judge": judge, "retrieval": retrieval, "diversity": diversity}
 # v1's general rewards, an opposing pair of pixel statistics: kept for the stress test (docs/shapesbench.md).
 STRESS_GENERAL_REWARDS = {"sharpness": sharpness, "compressibility": compressibility}
 STRESS_REWARDS = {**STRESS_GENERAL_REWARDS, **SPECIALIST_REWARDS}
