@@ -91,7 +91,20 @@ def test_shapes_prompt_sources_carry_the_metadata():
 def test_shapes_rewards_are_registered():
     from marble_trl.rewards import available_rewards, get_reward
 
-    names = {f"shapes_{n}" for n in ("alignment", "preference", "color", "count", "position", "fidelity", "judge")}
+    names = {
+        f"shapes_{n}"
+        for n in (
+            "alignment",
+            "preference",
+            "color",
+            "count",
+            "position",
+            "fidelity",
+            "judge",
+            "retrieval",
+            "diversity",
+        )
+    }
     assert names <= set(available_rewards())
     scenes = [s for s in world.all_scenes() if s.family == "position"][:4]
     images = world.to_tensor(np.stack([world.render(s, i) for i, s in enumerate(scenes)]))
@@ -99,6 +112,9 @@ def test_shapes_rewards_are_registered():
     got = get_reward("shapes_position")([s.prompt for s in scenes], images, **columns)
     assert got == scorers.position([s.prompt for s in scenes], images, **columns)
     assert get_reward("shapes_color")([s.prompt for s in scenes], images, **columns) == [None] * 4
+    assert get_reward("shapes_retrieval")([s.prompt for s in scenes], images) == scorers.retrieval(
+        [s.prompt for s in scenes], images
+    )
     assert torch.is_tensor(images)
 
 
