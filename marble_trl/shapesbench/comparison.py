@@ -4,10 +4,9 @@ multi-objective optimisation, side by side on what does not depend on which othe
 
 Per method, mean +- s.e.m. over seeds of: the worst and the mean training-reward gain over the base (held-out
 images), the mean held-out-only gain (over the rewards never trained on that every record has), and the all-step
-conflict rate (Table S1: the share of steps whose update has a negative cosine with some reward's gradient) and, for MARBLE's
-variants, the share of (refresh, training reward) pairs in which the reward had no signal (no group with spread:
-its alpha* is 0 there). The composite z-score
-of Table 1 is left out: it is standardised over the methods present in each seed, so it moves when methods are added.
+conflict rate (Table S1: the share of steps whose update has a negative cosine with some reward's gradient) and, for
+MARBLE's variants, the share of (refresh, training reward) pairs in which the reward had no signal (no group with
+spread: its alpha* is 0 there). The composite z-score of Table 1 is left out: it is standardised over the methods present in each seed, so it moves when methods are added.
 Throughput is measured side by side by ``benchmarks/step_throughput.py`` (docs/marble.md), not here: these runs share
 the machine and log per-step diagnostics.
 """
