@@ -105,12 +105,16 @@ def images_per_prompt(budget: dict[str, Any], family: str) -> int:
     return budget["eval_images_per_prompt"]
 
 
+def eval_inputs(budget: Budget | dict[str, Any]) -> tuple[list[str], dict[str, list]]:
+    """The held-out set's prompts and metadata columns, one entry per image (:func:`eval_images`)."""
+    scenes = eval_images(budget)
+    return [s.prompt for s in scenes], {c: [s.columns()[c] for s in scenes] for c in COLUMNS}
+
+
 def evaluate(trainer: Any, budget: Budget, use_lora: bool = True, batch: int = 128) -> dict[str, Any]:
     """Generate the held-out set (:func:`eval_images`) with fixed noise (held-out seeds) and score every reward;
     per-reward means and s.e.m. over images."""
-    scenes = eval_images(budget)
-    prompts = [s.prompt for s in scenes]
-    columns = {c: [s.columns()[c] for s in scenes] for c in COLUMNS}
+    prompts, columns = eval_inputs(budget)
     images = torch.cat(
         [
             trainer.generate(prompts[i : i + batch], seed=budget.eval_seed + i, use_lora=use_lora)
@@ -272,9 +276,7 @@ def rescore(out_dir: str | Path) -> list[str]:
         if not images_path.is_file():
             continue
         saved = torch.load(images_path)
-        scenes = eval_images(record["budget"])
-        prompts = [s.prompt for s in scenes]
-        columns = {c: [s.columns()[c] for s in scenes] for c in COLUMNS}
+        prompts, columns = eval_inputs(record["budget"])
         touched = False
         for key, images_key in (("eval", "eval"), ("base_eval", "base")):
             missing = [n for n in HELD_OUT_REWARDS if record.get(key) is not None and n not in record[key]]

@@ -308,12 +308,16 @@ def caption_ranks(name: str, prompts: list[str], images: torch.Tensor, candidate
     net, _ = load_judge(name)
     x = _judge_input(images)
     out: list[float] = []
+    embedded: dict[tuple[str, ...], torch.Tensor] = {}  # each candidate list embedded once, not once per image
     for i in range(0, len(prompts), 256):
         feats = net.image(x[i : i + 256] * 2 - 1)
         for feat, prompt, cands in zip(feats, prompts[i : i + 256], candidates[i : i + 256], strict=True):
             if prompt not in cands or len(cands) < 2:
                 raise ValueError(f"caption_ranks: {prompt!r} needs its own caption and another among {cands}")
-            logits = net.match(feat, net.text(*tokenize(list(cands))))
+            key = tuple(cands)
+            if key not in embedded:
+                embedded[key] = net.text(*tokenize(list(key)))
+            logits = net.match(feat, embedded[key])
             own = logits[list(cands).index(prompt)]
             below = (logits < own).sum().item() + 0.5 * ((logits == own).sum().item() - 1)
             out.append(below / (len(cands) - 1))

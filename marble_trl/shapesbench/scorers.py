@@ -41,7 +41,7 @@ import torch
 
 from ..rewards.jpeg import jpeg_kb
 from .judges import caption_ranks, judge_scores
-from .world import COLORS, NUMBERS, Scene, all_scenes, render, to_tensor
+from .world import COLORS, NUMBERS, all_scenes, render, to_tensor
 
 FG_MIN_VALUE = 0.35
 FG_MIN_SATURATION = 0.45
@@ -288,7 +288,7 @@ def retrieval(prompts: list[str], images: torch.Tensor, **_) -> list[float | Non
     ``None`` for the general family, whose captions name nothing. It is the score no prompt-independent generator
     can raise: the ranks of one fixed image over a family's captions are a permutation, so drawing the same picture
     for every prompt averages exactly 0.5 over the family, however well the picture scores on ``judge`` itself."""
-    families = _families(tuple(prompts))
+    families = _families(prompts)
     out: list[float | None] = [None] * len(prompts)
     idx = [i for i, f in enumerate(families) if f != "general"]
     if idx:
@@ -305,14 +305,15 @@ def diversity(prompts: list[str], images: torch.Tensor, **_) -> list[float | Non
     within-caption pixel variance, :func:`world_spread`), clipped to ``[0, 1]``: the world's images score about 1, a
     model that draws one picture for a caption whatever the noise 0. ``None`` for an image alone with its caption.
     Noise is diverse too: read it beside ``fidelity``."""
-    _families(tuple(prompts))  # world captions only: the reference is the world's spread for the caption
+    _families(prompts)  # world captions only: the reference is the world's spread for the caption
     x = images.detach().float().cpu().clamp(0, 1).flatten(1)
     out: list[float | None] = [None] * len(prompts)
     for prompt in dict.fromkeys(prompts):
         idx = [i for i, p in enumerate(prompts) if p == prompt]
         if len(idx) < 2:
             continue
-        dist = torch.cdist(x[idx].double(), x[idx].double()).square()
+        group = x[idx].double()
+        dist = torch.cdist(group, group).square()
         mean_dist = dist.sum(1) / (len(idx) - 1)  # the diagonal is 0
         for i, d in zip(idx, mean_dist.tolist(), strict=True):
             out[i] = min(1.0, d / world_spread(prompt))
@@ -323,8 +324,7 @@ def diversity(prompts: list[str], images: torch.Tensor, **_) -> list[float | Non
 def world_spread(prompt: str, n: int = 64) -> float:
     """Twice the world's within-caption pixel variance (summed over pixels) for ``prompt``: the expected squared
     distance between two of its images, estimated from ``n`` renders with seeds no pretraining corpus uses."""
-    scene = Scene(**{k: v for k, v in _SCENES[prompt].columns().items() if k != "source"})
-    x = to_tensor(np.stack([render(scene, 2**40 + i) for i in range(n)])).double().flatten(1)
+    x = to_tensor(np.stack([render(_SCENES[prompt], 2**40 + i) for i in range(n)])).double().flatten(1)
     return float(2 * x.var(0).sum())
 
 
@@ -333,7 +333,7 @@ _FAMILY_CAPTIONS = {f: [s.prompt for s in all_scenes() if s.family == f] for f i
 _PROMPT_FAMILY = {p: s.family for p, s in _SCENES.items()}
 
 
-def _families(prompts: tuple[str, ...]) -> list[str]:
+def _families(prompts: Sequence[str]) -> list[str]:
     unknown = sorted({p for p in prompts if p not in _PROMPT_FAMILY})
     if unknown:
         raise ValueError(f"shapes retrieval and diversity score the world's captions only; not one: {unknown[:3]}")
