@@ -60,10 +60,10 @@ def test_color_scores_wrong_colour_low():
     ]
     prompts, images, _ = _batch(wrong)  # drawn in another colour, scored against the prompt's colour
     columns = {c: [s.columns()[c] for s in truth] for c in world.COLUMNS}
-    assert max(S.color(prompts, images, **columns)) <= 0.52  # the shape half only
+    assert max(S.color(prompts, images, **columns)) <= 0.02  # right shape, wrong colour: the product is ~0
     other_shape = {"circle": "square", "square": "triangle", "triangle": "circle"}
     both_wrong = dict(columns, shape=[other_shape[s] for s in columns["shape"]])
-    assert max(S.color(prompts, images, **both_wrong)) <= 0.12  # a wrong shape's Gaussian tail: <= 0.5 * 0.22
+    assert max(S.color(prompts, images, **both_wrong)) <= 0.02
     blank = torch.full_like(images, 13 / 255)
     assert max(S.color(prompts, blank, **columns)) == 0.0
 
@@ -74,7 +74,7 @@ def test_color_and_position_score_wrong_shapes_low():
         truth = _family(family)
         prompts, images, columns = _batch(truth)
         wrong = dict(columns, shape=[other[s] for s in columns["shape"]])
-        assert max(reward(prompts, images, **wrong)) <= 0.62  # the colour / side half, plus a wrong shape's tail
+        assert max(reward(prompts, images, **wrong)) <= 0.25  # a wrong shape's Gaussian tail (<= 0.22) at most
         assert np.mean(reward(prompts, images, **columns)) >= 0.9
 
 
@@ -93,9 +93,9 @@ def test_position_scores_wrong_side_low():
     truth = _family("position")
     prompts, images, columns = _batch(truth)
     wrong = dict(columns, position=[opposite[p] for p in columns["position"]])
-    assert max(S.position(prompts, images, **wrong)) <= 0.6  # the shape half, plus at most 0.1
+    assert max(S.position(prompts, images, **wrong)) <= 0.2  # a side score of at most 0.2, times the shape
     both_wrong = dict(wrong, shape=[other_shape[s] for s in columns["shape"]])
-    assert max(S.position(prompts, images, **both_wrong)) <= 0.2  # 0.1 of side, a wrong shape's tail
+    assert max(S.position(prompts, images, **both_wrong)) <= 0.05  # 0.2 of side, times a wrong shape's tail
     assert np.mean(S.position(prompts, images, **columns)) >= 0.9
 
 
@@ -113,11 +113,24 @@ def test_general_rewards_rank_blur_noise_and_flat():
 
 
 def test_count_components():
-    mask = np.zeros((8, 8), dtype=bool)
-    mask[0:2, 0:2] = True
-    mask[5:7, 5:7] = True
-    mask[0, 7] = True  # one pixel: below the minimum size
+    mask = np.zeros((12, 12), dtype=bool)
+    mask[0:3, 0:3] = True
+    mask[8:11, 8:11] = True
+    mask[0, 6:11] = True  # a speck of 5 px: below the minimum size (half the world's smallest shape)
     assert S.count_components(mask) == 2
+    assert S.count_components(mask, min_size=3) == 3
+
+
+def test_every_world_object_counts_and_specks_do_not():
+    """The smallest shapes the world draws (count scenes of radius 3) are objects; the minimum is half of them."""
+    smallest = []
+    for seed in range(200):
+        scene = world.Scene("x", "count", shape=world.SHAPES[seed % 3], count=4)
+        fg = S.foreground(world.to_tensor(render(scene, seed)[None]))[0].numpy()
+        found = S.components(fg, min_size=1)
+        assert len(found) == 4
+        smallest.append(found[-1][0])
+    assert S.MIN_COMPONENT_PX <= min(smallest) / 2 + 1
 
 
 def test_methods_catalogue_and_stage_schedule():
@@ -318,25 +331,31 @@ def test_pretraining_is_deterministic_and_cached(tmp_path, monkeypatch):
     assert PretrainConfig(seed=1).key() != PretrainConfig().key()
 
 
-def test_pretraining_with_a_short_clip_context(tmp_path, monkeypatch):
-    """``clip_max_length`` pads both CLIP tokenizers to fewer tokens; the saved pipeline loads with that context and
-    still encodes the longest caption whole; 77 (CLIP's) keeps the hash the field's absence had."""
+def test_pretraining_with_a_short_clip_context_and_large_patches(tmp_path, monkeypatch):
+    """``clip_max_length`` pads both CLIP tokenizers to fewer tokens and ``patch_size`` sets the image tokens; the
+    saved pipeline loads with both, still encodes the longest caption whole, and v2's values (77, 2) keep the hash
+    the fields' absence had."""
     from marble_trl.models import load_sd3_pipeline
     from marble_trl.shapesbench.pretrain import PretrainConfig, longest_caption_tokens, pretrain
     from marble_trl.shapesbench.world import all_scenes
 
     tiny = dict(num_images=16, vae_steps=1, steps=1, warmup_steps=1, batch_size=4, vae_batch_size=4, num_layers=1)
-    assert PretrainConfig(clip_max_length=77).key() == "835ec3e7e9d8"  # the shipped model's name
-    assert PretrainConfig(clip_max_length=32).key() != PretrainConfig().key()
+    assert PretrainConfig(clip_max_length=77, patch_size=2, steps=1000).key() == "835ec3e7e9d8"  # v2's base model
+    assert PretrainConfig(clip_max_length=77).key() != PretrainConfig().key()
+    assert PretrainConfig(patch_size=2).key() != PretrainConfig().key()
     with pytest.raises(ValueError, match="clip_max_length=16.*truncate"):
         PretrainConfig(clip_max_length=16)
+    with pytest.raises(ValueError, match="patch_size=3.*divide"):
+        PretrainConfig(patch_size=3)
     monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path))
-    pipe = load_sd3_pipeline(str(pretrain(PretrainConfig(clip_max_length=32, **tiny), quiet=True)))
+    pipe = load_sd3_pipeline(str(pretrain(PretrainConfig(clip_max_length=32, patch_size=4, **tiny), quiet=True)))
     assert pipe.tokenizer_max_length == 32 and pipe.tokenizer_2.model_max_length == 32
     longest = max((s.prompt for s in all_scenes()), key=lambda p: len(pipe.tokenizer(p).input_ids))
     assert len(pipe.tokenizer(longest).input_ids) == longest_caption_tokens() <= 32
     embeds, _, _, _ = pipe.encode_prompt(longest, None, None, do_classifier_free_guidance=False, max_sequence_length=8)
     assert embeds.shape[1] == 32 + 8  # the joint text stream: CLIP's context, then T5's (here zeros) 8 tokens
+    latents = torch.zeros(1, 4, 16, 16)
+    assert pipe.transformer.pos_embed(latents).shape[1] == (16 // 4) ** 2  # 16 image tokens
 
 
 def test_runner_keeps_going_after_a_failed_run(tmp_path, monkeypatch):

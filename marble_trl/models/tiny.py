@@ -181,10 +181,12 @@ def build_tiny_sd3_pipeline(
     head_dim: int = 16,
     text_hidden: int = 16,
     placeholder_t5: bool = False,
+    patch_size: int = 2,
 ):
     """Build a tiny random-weight ``StableDiffusion3Pipeline`` (CPU, float32), deterministic from ``seed``.
 
-    Images are ``2 * latent_size`` pixels square (the tiny VAE downsamples by 2); the transformer uses patch size 2.
+    Images are ``2 * latent_size`` pixels square (the tiny VAE downsamples by 2); the transformer sees
+    ``(latent_size / patch_size)^2`` image tokens (patch size 2 by default, as SD3's).
     ``sd35=True`` adds SD3.5's dual attention in the first layer and RMS qk-norm. ``placeholder_t5=True`` adds a T5
     whose output is exactly zero (the same images; what :func:`save_tiny_sd3_pipeline` saves so that plain
     ``from_pretrained`` loads the folder); by default there is no T5.
@@ -197,7 +199,7 @@ def build_tiny_sd3_pipeline(
         torch.manual_seed(seed)
         transformer = SD3Transformer2DModel(
             sample_size=latent_size,
-            patch_size=2,
+            patch_size=patch_size,
             in_channels=4,
             num_layers=num_layers,
             attention_head_dim=head_dim,
