@@ -10,6 +10,7 @@ the fraction of groups with no spread (no signal), against the evaluation noise 
     python benchmarks/shapesbench_diagnosis.py --out outputs/shapes-diagnosis [--rewards color count position]
         [--factors baseline steps60 ...] [--seeds 0]
     python benchmarks/shapesbench_diagnosis.py --v2 --out outputs/probes-v2 [--factors ff p2s120 ...]
+    python benchmarks/shapesbench_diagnosis.py --v21 --out outputs/probes-v21 --rewards count [--factors ff r32 ...]
 
 Each (reward, factor, seed) writes ``<out>/<reward>-<factor>-seed<k>.json`` and is skipped when it exists
 (resumable). ``--table`` prints the markdown table from the records.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -29,8 +31,8 @@ import torch
 from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.shapesbench.bench import LORA_TARGETS, Budget, _config, eval_images
 from marble_trl.shapesbench.methods import Method
-from marble_trl.shapesbench.pretrain import PretrainConfig, pretrain
 from marble_trl.shapesbench.scorers import REWARDS
+from marble_trl.shapesbench.shipped import base_model
 from marble_trl.shapesbench.world import COLUMNS, all_scenes, prompt_dataset
 
 # v1's control budget (KL off); the scorers are v2's (Gaussian shape match), so numbers differ from the v1 table
@@ -65,6 +67,15 @@ V2_FACTORS: dict[str, tuple[dict, dict]] = {
     "p1s240": ({"steps": 240, "prompts_per_step": 1}, {}),
     "lr4e-3": ({"learning_rate": 4e-3}, {}),  # twice the step length: does it stand in for twice the steps?
     "lr8e-3": ({"learning_rate": 8e-3}, {}),
+}
+# v2.1 probes: today's budget (``Budget()``: 120 steps x 4 prompts x 8 images) on the shipped v2.1 base, one factor
+# changed (the count probes of docs/shapesbench.md; ``control`` is the plain ``only_<reward>`` run).
+V21_FACTORS: dict[str, tuple[dict, dict]] = {
+    "control": ({}, {}),
+    "lr3e-3": ({"learning_rate": 3e-3}, {}),
+    "steps160": ({"steps": 160}, {}),
+    "ff": ({}, {"lora_target_modules": [*LORA_TARGETS, *FF_TARGETS]}),
+    "r32": ({"lora_r": 32}, {}),
 }
 EVAL_PROMPTS_PER_FAMILY = 12  # held-out captions of the family (all of them for color / count: 12 each)
 EVAL_IMAGES_PER_PROMPT = 8
@@ -131,18 +142,19 @@ def run(reward: str, factor: str, seed: int, model: str, out: Path) -> dict:
     return record
 
 
-def run_v2(reward: str, factor: str, seed: int, model: str, out: Path) -> dict:
-    """One v2 probe: ``only_<reward>`` on its family with the benchmark's budget and one factor changed; writes
-    ``<out>/runs/only_<reward>-<factor>-seed<k>.json`` (a ShapesBench run record, every reward held out)."""
+def run_v2(reward: str, factor: str, seed: int, model: str, out: Path, v21: bool = False) -> dict:
+    """One v2 probe: ``only_<reward>`` on its family with v2's budget (v2.1's with ``v21``) and one factor
+    changed; writes ``<out>/runs/only_<reward>-<factor>-seed<k>.json`` (a ShapesBench run record, every reward
+    held out)."""
     from marble_trl.shapesbench.bench import run_one
 
     name = f"only_{reward}-{factor}"
     path = out / "runs" / f"{name}-seed{seed}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    changes, overrides = V2_FACTORS[factor]
+    changes, overrides = (V21_FACTORS if v21 else V2_FACTORS)[factor]
     method = Method(name, (reward,), overrides=overrides, family=reward)
-    return run_one(method, seed, dataclasses.replace(V2_BUDGET, **changes), model, out)
+    return run_one(method, seed, dataclasses.replace(Budget() if v21 else V2_BUDGET, **changes), model, out)
 
 
 def base_eval_v2(model: str, out: Path) -> dict:
@@ -222,8 +234,11 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--model", default=None, help="base pipeline folder (default: the cached ShapesBench base)")
     p.add_argument("--table", action="store_true", help="print the table of the records in --out and exit")
-    p.add_argument("--v2", action="store_true", help="the v2 probes (V2_FACTORS, the benchmark's budget)")
-    p.add_argument("--base-eval", action="store_true", help="with --v2: score the base on today's held-out set")
+    p.add_argument("--v2", action="store_true", help="the v2 probes (V2_FACTORS, v2's 60-step budget)")
+    p.add_argument("--v21", action="store_true", help="the v2.1 probes (V21_FACTORS, today's budget)")
+    p.add_argument(
+        "--base-eval", action="store_true", help="with --v2 / --v21: score the base on today's held-out set"
+    )
     p.add_argument(
         "--base-record",
         default="benchmarks/results/shapesbench-v2/runs/weighted_sum-seed0.json",
@@ -233,14 +248,15 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.table:
-        print(table_v2(out, Path(a.base_record)) if a.v2 else table(out))
+        print(table_v2(out, Path(a.base_record)) if a.v2 or a.v21 else table(out))
         return
-    model = a.model or str(pretrain(PretrainConfig()))
+    model = a.model or str(base_model())
     if a.base_eval:
         print(json.dumps(base_eval_v2(model, out)["base_eval"], indent=1))
         return
-    if a.v2:  # run_one sets the budget's one thread itself; a v2 record holds every reward's held-out mean
-        one, factors, held_out = run_v2, a.factors or list(V2_FACTORS)[1:], lambda r, k: r["eval"][k]
+    if a.v2 or a.v21:  # run_one sets the budget's one thread itself; a v2 record holds every reward's held-out mean
+        one = functools.partial(run_v2, v21=a.v21)
+        factors, held_out = a.factors or list(V21_FACTORS if a.v21 else V2_FACTORS)[1:], lambda r, k: r["eval"][k]
     else:
         one, factors, held_out = run, a.factors or list(FACTORS), lambda r, k: r["trained"]["mean"]
     for factor in factors:
@@ -249,7 +265,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 r = one(reward, factor, seed, model, out)
                 print(f"{reward} {factor} seed {seed}: {held_out(r, reward):.3f} ({time.perf_counter() - t0:.0f} s)")
-    print(table_v2(out, Path(a.base_record)) if a.v2 else table(out))
+    print(table_v2(out, Path(a.base_record)) if a.v2 or a.v21 else table(out))
 
 
 if __name__ == "__main__":

@@ -200,6 +200,27 @@ def train_flow(pipe, latents: torch.Tensor, prompt_idx: torch.Tensor, prompts: l
     return sum(recent) / len(recent)
 
 
+def untrained_pipeline(config: PretrainConfig):
+    """The base model's pipeline before pretraining: random weights from ``config.seed`` (the global RNG is left as
+    it was), the sampler's shift and the CLIP context set. Its cost per step is the pretrained model's
+    (``benchmarks/shapes_architecture.py`` times architectures with it)."""
+    pipe = build_tiny_sd3_pipeline(
+        seed=config.seed,
+        latent_size=LATENT_SIZE,
+        num_layers=config.num_layers,
+        hidden_heads=config.heads,
+        head_dim=config.head_dim,
+        text_hidden=config.text_hidden,
+        patch_size=config.patch_size,
+    )
+    pipe.scheduler.register_to_config(shift=config.shift)
+    for tokenizer in (pipe.tokenizer, pipe.tokenizer_2):
+        tokenizer.model_max_length = config.clip_max_length
+    # The pipeline reads this once at construction; a loaded pipeline reads it back from the tokenizer.
+    pipe.tokenizer_max_length = config.clip_max_length
+    return pipe
+
+
 def pretrain(config: PretrainConfig | None = None, force: bool = False, quiet: bool = False) -> Path:
     """Build (or reuse from the cache) the ShapesBench base model; returns its ``save_pretrained`` folder."""
     config = config or PretrainConfig()
@@ -219,20 +240,7 @@ def pretrain(config: PretrainConfig | None = None, force: bool = False, quiet: b
         prompts = [s.prompt for s in all_scenes()]
         where = {p: i for i, p in enumerate(prompts)}
         prompt_idx = torch.tensor([where[s.prompt] for s in scenes])
-        pipe = build_tiny_sd3_pipeline(
-            seed=config.seed,
-            latent_size=LATENT_SIZE,
-            num_layers=config.num_layers,
-            hidden_heads=config.heads,
-            head_dim=config.head_dim,
-            text_hidden=config.text_hidden,
-            patch_size=config.patch_size,
-        )
-        pipe.scheduler.register_to_config(shift=config.shift)
-        for tokenizer in (pipe.tokenizer, pipe.tokenizer_2):
-            tokenizer.model_max_length = config.clip_max_length
-        # The pipeline reads this once at construction; a loaded pipeline reads it back from the tokenizer.
-        pipe.tokenizer_max_length = config.clip_max_length
+        pipe = untrained_pipeline(config)
         _log(f"corpus {len(scenes)} images; training the VAE ({config.vae_steps} steps)", quiet)
         vae_mse = train_vae(pipe.vae, pixels, config, gen, quiet)
         raw = _encode_latents(pipe.vae, pixels)
