@@ -119,8 +119,8 @@ def test_shapes_rewards_are_registered():
 
 
 def test_ship_then_verify_reproduces_bit_for_bit(tmp_path, monkeypatch):
-    """`ship` then `verify-shipped` on tiny configs: a rebuild from scratch matches the manifest, and a manifest that
-    does not match the files is reported by name."""
+    """`ship` then `verify-shipped` on tiny configs: a rebuild from scratch (the base model and the judges in two
+    processes) matches the manifest built in one, and a manifest that does not match the files is reported by name."""
     import functools
 
     from marble_trl.shapesbench import judges, pretrain, ship
@@ -134,14 +134,14 @@ def test_ship_then_verify_reproduces_bit_for_bit(tmp_path, monkeypatch):
     monkeypatch.setattr(
         judges, "JUDGES", {n: judges.JudgeConfig(name=n, seed=i, **small) for i, n in enumerate(judges.JUDGES)}
     )
-    ship.ship(quiet=True)
+    ship.ship(quiet=True, jobs=1)
     assert (tmp_path / "weights" / "shapes" / "model_index.json").is_file()
-    assert ship.verify_shipped(quiet=True) == []
+    assert ship.verify_shipped(quiet=True, jobs=2) == []  # built in two processes: the same bits as in one
     manifest = json.loads(shipped.MANIFEST.read_text())
     key = next(iter(manifest["judge"]["tensors"]))
     manifest["judge"]["tensors"][key] = "0" * 64
     shipped.MANIFEST.write_text(json.dumps(manifest))
-    assert ship.verify_shipped(quiet=True) == ["judge"]
+    assert ship.verify_shipped(quiet=True, jobs=1) == ["judge"]
 
 
 def test_the_benchmark_runs_on_the_shipped_model_and_pretrains_only_for_another_config(monkeypatch, tmp_path):

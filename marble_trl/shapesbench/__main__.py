@@ -45,8 +45,14 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--skip-existing", action="store_true", help="keep run records already in --out")
     _add_dataclass_args(r, Budget)
     _add_dataclass_args(r, PretrainConfig, "pretrain-")
-    sub.add_parser("ship", help="build the base model and the judges and copy them into the package (MANIFEST.json)")
-    sub.add_parser("verify-shipped", help="rebuild the shipped weights from scratch and compare them bit for bit")
+    shipping = [
+        sub.add_parser(
+            "ship", help="build the base model and the judges and copy them into the package (MANIFEST.json)"
+        ),
+        sub.add_parser("verify-shipped", help="rebuild the shipped weights from scratch and compare them bit for bit"),
+    ]
+    for p in shipping:
+        p.add_argument("--jobs", type=int, default=2, help="2: the base model and the judges train at once")
     rep = sub.add_parser("report", help="(re)write the tables and plots from the run records in --out")
     rep.add_argument("--out", default=DEFAULT_OUT)
     rep.add_argument(
@@ -59,12 +65,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "ship":
         from .ship import ship
 
-        print(ship())
+        print(ship(jobs=args.jobs))
         return
     if args.command == "verify-shipped":
         from .ship import verify_shipped
 
-        differ = verify_shipped()
+        differ = verify_shipped(jobs=args.jobs)
         print("shipped weights reproduced bit for bit" if not differ else f"differ from MANIFEST.json: {differ}")
         sys.exit(1 if differ else 0)
     if args.command == "pretrain":

@@ -7,9 +7,11 @@ python -m marble_trl.shapesbench verify-shipped  # rebuild from scratch in a tem
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from . import judges, pretrain, shipped
@@ -17,12 +19,22 @@ from . import judges, pretrain, shipped
 # Module references (not names) so that tests can point the build at tiny configs and a temporary folder.
 
 
-def build_all(quiet: bool = True) -> dict[str, Path]:
-    """Build (or find in the cache) the base model and every judge: ``{name: path}``."""
-    built = {"shapes": pretrain.pretrain(pretrain.PretrainConfig(), quiet=quiet)}
-    for name, config in judges.JUDGES.items():
-        built[name] = judges.build_judge(config, quiet=quiet)
-    return built
+def _build_judges(configs: dict, force: bool, quiet: bool) -> dict[str, Path]:
+    return {name: judges.build_judge(config, force=force, quiet=quiet) for name, config in configs.items()}
+
+
+def build_all(quiet: bool = True, force: bool = False, jobs: int = 2) -> dict[str, Path]:
+    """Build (or find in the cache) the base model and every judge: ``{name: path}``. With ``jobs=2`` the base
+    model and the judges train at once in two processes (one thread each, so the results are the same bits): the
+    pretraining's time is then about the longer of the two."""
+    config, configs = pretrain.PretrainConfig(), dict(judges.JUDGES)  # built here: the workers get them pickled
+    if jobs < 2:
+        return {"shapes": pretrain.pretrain(config, force=force, quiet=quiet), **_build_judges(configs, force, quiet)}
+    # spawn, not fork: a forked child of a process that has run torch's thread pool can hang
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        base = pool.submit(pretrain.pretrain, config, force, quiet)
+        built = pool.submit(_build_judges, configs, force, quiet)
+        return {"shapes": base.result(), **built.result()}
 
 
 def manifest(built: dict[str, Path]) -> dict:
@@ -34,9 +46,9 @@ def manifest(built: dict[str, Path]) -> dict:
     return entries
 
 
-def ship(quiet: bool = False) -> Path:
+def ship(quiet: bool = False, jobs: int = 2) -> Path:
     """Copy the base model and the judges into the package folder and write ``shipped.MANIFEST.json``."""
-    built = build_all(quiet=quiet)
+    built = build_all(quiet=quiet, jobs=jobs)
     shipped.WEIGHTS.mkdir(parents=True, exist_ok=True)
     target = shipped.WEIGHTS / "shapes"
     if built["shapes"].resolve() != target.resolve():
@@ -53,7 +65,7 @@ def ship(quiet: bool = False) -> Path:
     return shipped.WEIGHTS
 
 
-def verify_shipped(quiet: bool = False) -> list[str]:
+def verify_shipped(quiet: bool = False, jobs: int = 2) -> list[str]:
     """Rebuild everything from scratch in a temporary cache and compare its tensors with ``shipped.MANIFEST.json``; returns
     the names whose tensors differ (empty: the shipped weights are reproduced bit for bit)."""
     expected = json.loads(shipped.MANIFEST.read_text())
@@ -61,10 +73,7 @@ def verify_shipped(quiet: bool = False) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["MARBLE_TRL_CACHE"] = tmp
         try:
-            built = {"shapes": pretrain.pretrain(pretrain.PretrainConfig(), force=True, quiet=quiet)}
-            for name, config in judges.JUDGES.items():
-                built[name] = judges.build_judge(config, force=True, quiet=quiet)
-            got = manifest(built)
+            got = manifest(build_all(quiet=quiet, force=True, jobs=jobs))
         finally:
             if old is None:
                 os.environ.pop("MARBLE_TRL_CACHE", None)
