@@ -262,6 +262,19 @@ def test_main_job_recipe_evaluates_before_and_after(tmp_path, capsys):
     assert (out / "samples_before_after.png").is_file()
 
 
+def test_grid_prompts_take_each_source_in_turn():
+    from datasets import Dataset
+
+    from marble_trl.commands.train import grid_prompt_list
+
+    rows = {"prompt": ["a", "b", "a", "c", "x", "y", "b", "z"], "source": ["s1"] * 4 + ["s2"] * 3 + ["s3"]}
+    mixture = Dataset.from_dict(rows)
+    assert grid_prompt_list(mixture, 4) == ["a", "x", "z", "b"]
+    assert grid_prompt_list(mixture, 10) == ["a", "x", "z", "b", "y", "c"]  # "b" of s2 is s1's: drawn once
+    assert grid_prompt_list(Dataset.from_dict({"prompt": ["a", "b", "a", "c"]}), 2) == ["a", "b"]
+    assert grid_prompt_list(mixture, 0) == []
+
+
 def test_eval_before_after_needs_eval_prompts(tmp_path):
     with pytest.raises(ValueError, match="eval_before_after needs held-out prompts: set eval_dataset_name"):
         main(["train", "--output_dir", str(tmp_path), "--reward_funcs", "brightness", "--eval_before_after", "true"])

@@ -121,19 +121,15 @@ def test_shapes_rewards_are_registered():
 def test_ship_then_verify_reproduces_bit_for_bit(tmp_path, monkeypatch):
     """`ship` then `verify-shipped` on tiny configs: a rebuild from scratch (the base model and the judges in two
     processes) matches the manifest built in one, and a manifest that does not match the files is reported by name."""
-    import functools
-
     from marble_trl.shapesbench import judges, pretrain, ship
 
     monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(shipped, "WEIGHTS", tmp_path / "weights")
     monkeypatch.setattr(shipped, "MANIFEST", tmp_path / "weights" / "MANIFEST.json")
     tiny = dict(num_images=32, vae_steps=2, steps=2, warmup_steps=1, batch_size=4, vae_batch_size=4, num_layers=1)
-    monkeypatch.setattr(pretrain, "PretrainConfig", functools.partial(pretrain.PretrainConfig, heads=2, **tiny))
     small = dict(num_images=16, steps=2, batch_size=4, width=4, embed=8)
-    monkeypatch.setattr(
-        judges, "JUDGES", {n: judges.JudgeConfig(name=n, seed=i, **small) for i, n in enumerate(judges.JUDGES)}
-    )
+    tiny_judges = {n: judges.JudgeConfig(name=n, seed=i, **small) for i, n in enumerate(judges.JUDGES)}
+    monkeypatch.setattr(ship, "configs", lambda: (pretrain.PretrainConfig(heads=2, **tiny), tiny_judges))
     ship.ship(quiet=True, jobs=1)
     assert (tmp_path / "weights" / "shapes" / "model_index.json").is_file()
     assert ship.verify_shipped(quiet=True, jobs=2) == []  # built in two processes: the same bits as in one

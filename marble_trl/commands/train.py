@@ -67,7 +67,11 @@ class MarbleScriptArguments:
         },
     )
     sample_grid_prompts: int = field(
-        default=4, metadata={"help": "Prompts in the before/after sample grid (0 disables the grid)."}
+        default=4,
+        metadata={
+            "help": "Prompts in the before/after sample grid (0 disables the grid): the dataset's first distinct "
+            "prompts, taken from each prompt source in turn when the dataset is a mixture."
+        },
     )
     sample_grid_seeds: int = field(default=2, metadata={"help": "Seeds per prompt in the before/after sample grid."})
     eval_before_after: bool = field(
@@ -159,7 +163,7 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
         pipeline, script_args.reward_funcs, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset
     )
     out = Path(training_args.output_dir)
-    grid_prompts = list(dict.fromkeys(dataset["prompt"]))[: script_args.sample_grid_prompts]
+    grid_prompts = grid_prompt_list(dataset, script_args.sample_grid_prompts)
     seeds = range(script_args.sample_grid_seeds)
     before = None
     # FSDP2 / ZeRO-3: every process draws (a forward needs every process's shards); the main one saves.
@@ -269,6 +273,30 @@ def _save_after_failure(trainer, out: Path, error: BaseException, start: float) 
     }
     (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"[marble-trl] failed at step {trainer.state.global_step}: {summary['error']} (kept in {out})")
+
+
+def grid_prompt_list(dataset, n: int) -> list[str]:
+    """The before/after grid's ``n`` prompts: the dataset's distinct prompts in order, taken from each prompt source
+    in turn when it has a ``source`` column (a mixture's rows come source by source, so its first rows would all be
+    one source's)."""
+    from ..sources import SOURCE_COLUMN
+
+    prompts = list(dict.fromkeys(dataset["prompt"]))
+    if SOURCE_COLUMN not in dataset.column_names:
+        return prompts[:n]
+    by_source: dict[str, list[str]] = {}
+    for prompt, source in zip(dataset["prompt"], dataset[SOURCE_COLUMN]):
+        queue = by_source.setdefault(source, [])
+        if prompt not in queue:
+            queue.append(prompt)
+    chosen: list[str] = []
+    while len(chosen) < min(n, len(prompts)):
+        for queue in by_source.values():
+            while queue and queue[0] in chosen:  # a prompt two sources share comes once
+                queue.pop(0)
+            if queue and len(chosen) < n:
+                chosen.append(queue.pop(0))
+    return chosen
 
 
 def _resume_arg(value: str | None) -> str | bool | None:

@@ -16,7 +16,12 @@ from pathlib import Path
 
 from . import judges, pretrain, shipped
 
-# Module references (not names) so that tests can point the build at tiny configs and a temporary folder.
+# Module references (not names) so that tests can point the build at a temporary folder.
+
+
+def configs() -> tuple[pretrain.PretrainConfig, dict[str, judges.JudgeConfig]]:
+    """What is shipped: the default pretraining config and every judge's (tests point this at tiny ones)."""
+    return pretrain.PretrainConfig(), dict(judges.JUDGES)
 
 
 def _build_judges(configs: dict, force: bool, quiet: bool) -> dict[str, Path]:
@@ -27,21 +32,21 @@ def build_all(quiet: bool = True, force: bool = False, jobs: int = 2) -> dict[st
     """Build (or find in the cache) the base model and every judge: ``{name: path}``. With ``jobs=2`` the base
     model and the judges train at once in two processes (one thread each, so the results are the same bits): the
     pretraining's time is then about the longer of the two."""
-    config, configs = pretrain.PretrainConfig(), dict(judges.JUDGES)  # built here: the workers get them pickled
+    config, judge_configs = configs()  # made here: the workers get them pickled
     if jobs < 2:
-        return {"shapes": pretrain.pretrain(config, force=force, quiet=quiet), **_build_judges(configs, force, quiet)}
+        base = pretrain.pretrain(config, force=force, quiet=quiet)
+        return {"shapes": base, **_build_judges(judge_configs, force, quiet)}
     # spawn, not fork: a forked child of a process that has run torch's thread pool can hang
     with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
         base = pool.submit(pretrain.pretrain, config, force, quiet)
-        built = pool.submit(_build_judges, configs, force, quiet)
+        built = pool.submit(_build_judges, judge_configs, force, quiet)
         return {"shapes": base.result(), **built.result()}
 
 
 def manifest(built: dict[str, Path]) -> dict:
-    entries = {
-        "shapes": {"config_key": pretrain.PretrainConfig().key(), "tensors": shipped.tensor_hashes(built["shapes"])}
-    }
-    for name, config in judges.JUDGES.items():
+    config, judge_configs = configs()
+    entries = {"shapes": {"config_key": config.key(), "tensors": shipped.tensor_hashes(built["shapes"])}}
+    for name, config in judge_configs.items():
         entries[name] = {"config_key": config.key(), "tensors": shipped.tensor_hashes(built[name])}
     return entries
 
@@ -54,10 +59,11 @@ def ship(quiet: bool = False, jobs: int = 2) -> Path:
     if built["shapes"].resolve() != target.resolve():
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(built["shapes"], target)
+    judge_configs = configs()[1]
     for old in shipped.WEIGHTS.glob("*.safetensors"):
-        if old.name not in {f"{n}-{c.key()}.safetensors" for n, c in judges.JUDGES.items()}:
+        if old.name not in {f"{n}-{c.key()}.safetensors" for n, c in judge_configs.items()}:
             old.unlink()
-    for name, config in judges.JUDGES.items():
+    for name, config in judge_configs.items():
         dst = shipped.WEIGHTS / f"{name}-{config.key()}.safetensors"
         if built[name].resolve() != dst.resolve():
             shutil.copyfile(built[name], dst)
