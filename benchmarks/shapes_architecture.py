@@ -1,9 +1,9 @@
 """What a ShapesBench step costs with each base-model architecture, side by side.
 
 The shipped `shapes` model (v2.1) has 16 image tokens (patch 4 on the 16 x 16 latent) and a 32-token CLIP context;
-v2.0's had SD3's patch 2 (64 image tokens) and CLIP's 77 tokens. A step's cost depends on the architecture, not on
-the weights, so each variant is built untrained from its `PretrainConfig` (`pretrain.untrained_pipeline`, no
-pretraining) and saved to a temporary folder. Each round runs every (method, variant) in its own subprocess, one
+v2.0's had SD3's patch 2 (64 image tokens) and CLIP's 77 tokens. The transformer's compute depends on the
+architecture, not on the weights (the rewards' cost varies a little with the images), so each variant is built
+untrained from its `PretrainConfig` (`pretrain.untrained_pipeline`, no pretraining) and saved to a temporary folder. Each round runs every (method, variant) in its own subprocess, one
 after another (nothing else should run: the machine's 2 cores are shared), and each ratio is the median over rounds
 of (the first variant's step time / this variant's) within the round: the speed-up over the first variant.
 
