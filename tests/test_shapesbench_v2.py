@@ -303,3 +303,36 @@ def test_probe_table_compares_each_probe_with_a_base_on_its_own_held_out_set(tmp
     probe("other_noise", {**new, "eval_seed": 1}, 0.6)  # the same captions under other noise: not the same set
     with pytest.raises(SystemExit, match="other_noise"):
         diag.table_v2(tmp_path, bench_record)
+
+
+def test_marble_refresh_stats_count_silent_refreshes_and_average_only_active_gradient_norms():
+    """``benchmarks/marble_refresh_stats.py``: a refresh where a reward has no signal (gradient norm 0) counts as
+    silent and stays out of its mean gradient norm, but not out of its mean ``alpha*`` / ``alpha_bar``; the
+    non-refresh steps of the log are ignored."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "marble_refresh_stats.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    stats_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stats_mod)
+
+    def refresh(a: float, b: float, norm_a: float, norm_b: float) -> dict:
+        return {
+            "marble/alpha/a": a, "marble/alpha/b": 1 - a,
+            "marble/alpha_bar/a": b, "marble/alpha_bar/b": 1 - b,
+            "marble/grad_norm/a": norm_a, "marble/grad_norm/b": norm_b,
+        }  # fmt: skip
+
+    history = [refresh(0.5, 0.5, 0.2, 0.1), {"loss": 1.0}, refresh(1.0, 0.65, 0.4, 0.0), {"loss": 0.9}]
+    stats = stats_mod.refresh_stats({"method": "marble", "seed": 0, "rewards": ["a", "b"], "log_history": history})
+    assert stats["a"] == pytest.approx(
+        {"alpha_star": 0.75, "alpha_bar": 0.575, "grad_norm": 0.3, "silent": 0, "refreshes": 2}
+    )
+    assert stats["b"] == pytest.approx(
+        {"alpha_star": 0.25, "alpha_bar": 0.425, "grad_norm": 0.1, "silent": 1, "refreshes": 2}
+    )
+    with pytest.raises(SystemExit, match="no MARBLE refresh"):
+        stats_mod.refresh_stats(
+            {"method": "weighted_sum", "seed": 0, "rewards": ["a"], "log_history": [{"loss": 1.0}]}
+        )

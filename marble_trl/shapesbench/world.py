@@ -159,7 +159,8 @@ def to_tensor(images: np.ndarray):
     """uint8 ``[N, H, W, 3]`` -> float tensor ``[N, 3, H, W]`` in ``[0, 1]`` (the reward input format)."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float() / 255.0
+    pixels = np.require(images, requirements=["C", "W"])  # a copy when read-only (PIL's arrays are)
+    return torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 255.0
 
 
 def prompt_dataset(scenes: list[Scene] | None = None):
