@@ -120,7 +120,10 @@ def test_shapes_rewards_are_registered():
 
 def test_ship_then_verify_reproduces_bit_for_bit(tmp_path, monkeypatch):
     """`ship` then `verify-shipped` on tiny configs: a rebuild from scratch (the base model and the judges in two
-    processes) matches the manifest built in one, and a manifest that does not match the files is reported by name."""
+    processes) matches the manifest built in one, and a manifest that does not match the files is reported by name
+    with the size of the difference."""
+    from safetensors.torch import load_file, save_file
+
     from marble_trl.shapesbench import judges, pretrain, ship
 
     monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / "cache"))
@@ -132,12 +135,19 @@ def test_ship_then_verify_reproduces_bit_for_bit(tmp_path, monkeypatch):
     monkeypatch.setattr(ship, "configs", lambda: (pretrain.PretrainConfig(heads=2, **tiny), tiny_judges))
     ship.ship(quiet=True, jobs=1)
     assert (tmp_path / "weights" / "shapes" / "model_index.json").is_file()
-    assert ship.verify_shipped(quiet=True, jobs=2) == []  # built in two processes: the same bits as in one
+    assert ship.verify_shipped(quiet=True, jobs=2) == {}  # built in two processes: the same bits as in one
     manifest = json.loads(shipped.MANIFEST.read_text())
     key = next(iter(manifest["judge"]["tensors"]))
     manifest["judge"]["tensors"][key] = "0" * 64
     shipped.MANIFEST.write_text(json.dumps(manifest))
-    assert ship.verify_shipped(quiet=True, jobs=1) == ["judge"]
+    assert ship.verify_shipped(quiet=True, jobs=1) == {"judge": 0.0}  # the hash differs, the files do not
+    # a shipped file that drifted: its difference relative to the tensor's scale is reported
+    judge_file = ship.shipped_path("judge")
+    tensors = load_file(judge_file)
+    name, t = next((n, t) for n, t in tensors.items() if t.abs().max() > 0)
+    tensors[name] = t + 1e-3 * t.abs().max()
+    save_file(tensors, judge_file)
+    assert ship.verify_shipped(quiet=True, jobs=1)["judge"] == pytest.approx(1e-3, rel=1e-2)
 
 
 def test_the_benchmark_runs_on_the_shipped_model_and_pretrains_only_for_another_config(monkeypatch, tmp_path):

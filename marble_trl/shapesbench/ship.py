@@ -71,18 +71,35 @@ def ship(quiet: bool = False, jobs: int = 2) -> Path:
     return shipped.WEIGHTS
 
 
-def verify_shipped(quiet: bool = False, jobs: int = 2) -> list[str]:
-    """Rebuild everything from scratch in a temporary cache and compare its tensors with ``shipped.MANIFEST.json``; returns
-    the names whose tensors differ (empty: the shipped weights are reproduced bit for bit)."""
+def shipped_path(name: str) -> Path:
+    """Where ``name`` (``shapes`` or a judge) lies in the package folder."""
+    if name == "shapes":
+        return shipped.WEIGHTS / "shapes"
+    return shipped.WEIGHTS / f"{name}-{configs()[1][name].key()}.safetensors"
+
+
+def verify_shipped(quiet: bool = False, jobs: int = 2) -> dict[str, float]:
+    """Rebuild everything from scratch in a temporary cache and compare its tensors with ``shipped.MANIFEST.json``.
+    Returns ``{name: difference}`` for every artifact whose tensors differ (empty: the shipped weights are reproduced
+    bit for bit), the difference being :func:`.shipped.tensor_difference` from the shipped file (``nan`` where the
+    package folder lacks it)."""
     expected = json.loads(shipped.MANIFEST.read_text())
     old = os.environ.get("MARBLE_TRL_CACHE")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["MARBLE_TRL_CACHE"] = tmp
         try:
-            got = manifest(build_all(quiet=quiet, force=True, jobs=jobs))
+            built = build_all(quiet=quiet, force=True, jobs=jobs)
+            got = manifest(built)
+            differ = {}
+            for name in expected:
+                if expected[name] == got.get(name):
+                    continue
+                reference = shipped_path(name) if name in built else None
+                found = reference is not None and reference.exists()
+                differ[name] = shipped.tensor_difference(built[name], reference) if found else float("nan")
         finally:
             if old is None:
                 os.environ.pop("MARBLE_TRL_CACHE", None)
             else:
                 os.environ["MARBLE_TRL_CACHE"] = old
-    return [name for name in expected if expected[name] != got.get(name)]
+    return differ

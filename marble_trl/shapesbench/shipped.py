@@ -38,16 +38,34 @@ def base_model(config=None) -> Path:
     return pretrain(config)
 
 
-def tensor_hashes(folder: Path) -> dict[str, str]:
-    """``{file/tensor: sha256}`` of every tensor in the ``.safetensors`` files under ``folder`` (or of one file)."""
+def _tensors(folder: Path):
+    """``(file/tensor, tensor)`` for every tensor in the ``.safetensors`` files under ``folder`` (or of one file)."""
     from safetensors import safe_open
 
     files = [folder] if folder.is_file() else sorted(folder.rglob("*.safetensors"))
-    out = {}
     for file in files:
         with safe_open(str(file), "pt") as f:
             for key in sorted(f.keys()):
-                t = f.get_tensor(key).contiguous()
                 rel = file.name if folder.is_file() else file.relative_to(folder).as_posix()
-                out[f"{rel}/{key}"] = hashlib.sha256(t.view(-1).view(torch.uint8).numpy()).hexdigest()
-    return out
+                yield f"{rel}/{key}", f.get_tensor(key).contiguous()
+
+
+def tensor_difference(rebuilt: Path, reference: Path) -> float:
+    """The largest difference between the two builds' tensors, relative to each reference tensor's largest magnitude
+    (``inf`` when their names or shapes differ): how far a rebuild that is not bit for bit is from the shipped file.
+    Float training that runs its kernels in another order (another CPU's vector width, another torch build) drifts
+    by rounding; a changed training changes the weights by their own size."""
+    got, ref = dict(_tensors(rebuilt)), dict(_tensors(reference))
+    if got.keys() != ref.keys() or any(got[k].shape != ref[k].shape for k in ref):
+        return float("inf")
+    worst = 0.0
+    for key, r in ref.items():
+        r = r.double()
+        scale = r.abs().max().item() or 1.0
+        worst = max(worst, (got[key].double() - r).abs().max().item() / scale)
+    return worst
+
+
+def tensor_hashes(folder: Path) -> dict[str, str]:
+    """``{file/tensor: sha256}`` of every tensor in the ``.safetensors`` files under ``folder`` (or of one file)."""
+    return {name: hashlib.sha256(t.view(-1).view(torch.uint8).numpy()).hexdigest() for name, t in _tensors(folder)}
