@@ -336,3 +336,25 @@ def test_marble_refresh_stats_count_silent_refreshes_and_average_only_active_gra
         stats_mod.refresh_stats(
             {"method": "weighted_sum", "seed": 0, "rewards": ["a"], "log_history": [{"loss": 1.0}]}
         )
+
+
+def test_judge_rebuild_table_averages_seeds_and_gains_against_each_judges_own_base():
+    """``benchmarks/shapesbench_judge_rebuild.py``: a method's shipped and rebuilt scores are averaged over its seeds,
+    and each gain is taken against the base scored by the same judges (not across them)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "shapesbench_judge_rebuild.py"
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rewards = mod.JUDGE_REWARDS
+    rows = {
+        "base-seed0": {r: [0.2, 0.3] for r in rewards},
+        "marble-seed0": {r: [0.4, 0.2] for r in rewards},
+        "marble-seed1": {r: [0.6, 0.4] for r in rewards},
+    }
+    lines = mod.table(rows).splitlines()
+    marble = next(line for line in lines if line.startswith("| marble |"))
+    assert marble.count("0.500 / 0.300 (+0.300 / +0.000)") == len(rewards)
+    assert "| 2 |" in marble
