@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, diff in differ.items():
             print(
                 f"{name}: differs from MANIFEST.json; largest tensor difference {diff:.1e} of the tensor's scale "
-                "(rounding drift from another CPU or torch build is about 1e-3 to 1e-2; a changed training about 1)"
+                "(bit for bit needs the same torch build and CPU kernels: docs/shapesbench.md#limitations)"
             )
         sys.exit(1 if differ else 0)
     if args.command == "pretrain":
