@@ -51,31 +51,30 @@ def manifest(built: dict[str, Path]) -> dict:
     return entries
 
 
-def ship(quiet: bool = False, jobs: int = 2) -> Path:
-    """Copy the base model and the judges into the package folder and write ``shipped.MANIFEST.json``."""
-    built = build_all(quiet=quiet, jobs=jobs)
-    shipped.WEIGHTS.mkdir(parents=True, exist_ok=True)
-    target = shipped.WEIGHTS / "shapes"
-    if built["shapes"].resolve() != target.resolve():
-        shutil.rmtree(target, ignore_errors=True)
-        shutil.copytree(built["shapes"], target)
-    judge_configs = configs()[1]
-    for old in shipped.WEIGHTS.glob("*.safetensors"):
-        if old.name not in {f"{n}-{c.key()}.safetensors" for n, c in judge_configs.items()}:
-            old.unlink()
-    for name, config in judge_configs.items():
-        dst = shipped.WEIGHTS / f"{name}-{config.key()}.safetensors"
-        if built[name].resolve() != dst.resolve():
-            shutil.copyfile(built[name], dst)
-    shipped.MANIFEST.write_text(json.dumps(manifest(built), indent=1, sort_keys=True) + "\n")
-    return shipped.WEIGHTS
-
-
 def shipped_path(name: str) -> Path:
     """Where ``name`` (``shapes`` or a judge) lies in the package folder."""
     if name == "shapes":
         return shipped.WEIGHTS / "shapes"
     return shipped.WEIGHTS / f"{name}-{configs()[1][name].key()}.safetensors"
+
+
+def ship(quiet: bool = False, jobs: int = 2) -> Path:
+    """Copy the base model and the judges into the package folder and write ``shipped.MANIFEST.json``."""
+    built = build_all(quiet=quiet, jobs=jobs)
+    shipped.WEIGHTS.mkdir(parents=True, exist_ok=True)
+    target = shipped_path("shapes")
+    if built["shapes"].resolve() != target.resolve():
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(built["shapes"], target)
+    judge_files = {name: shipped_path(name) for name in configs()[1]}
+    for old in shipped.WEIGHTS.glob("*.safetensors"):
+        if old not in judge_files.values():
+            old.unlink()
+    for name, dst in judge_files.items():
+        if built[name].resolve() != dst.resolve():
+            shutil.copyfile(built[name], dst)
+    shipped.MANIFEST.write_text(json.dumps(manifest(built), indent=1, sort_keys=True) + "\n")
+    return shipped.WEIGHTS
 
 
 def verify_shipped(quiet: bool = False, jobs: int = 2) -> dict[str, float]:
