@@ -13,6 +13,7 @@ from .balance.weightings import AGGREGATORS
 from .nft import DECAY_TYPES
 from .resume import APPLIED_FIELDS, EXACT_FIELDS
 from .rewards.video import check_frames
+from .rollout import check_solver_name
 from .sources import normalise_ratios
 
 logger = logging.getLogger("marble_trl.nft_config")  # the config's warnings, under the config's logger name
@@ -56,6 +57,8 @@ def check_fields(self) -> None:
         "lora_target_modules is empty: name at least one module to adapt, or leave it unset for the family's default.",
     )
     need(self.num_sample_steps >= 1, f"num_sample_steps must be >= 1, got {self.num_sample_steps}.")
+    check_solver_name(self.sample_scheduler, "sample_scheduler")  # every family runs every accepted solver
+    check_solver_name(self.eval_sample_scheduler, "eval_sample_scheduler")
     need(self.guidance_scale >= 1.0, f"guidance_scale must be >= 1.0 (1.0 = CFG-free), got {self.guidance_scale}.")
     need(self.resolution >= 8, f"resolution must be a positive number of pixels >= 8, got {self.resolution}.")
     need(self.nft_beta > 0, f"nft_beta must be > 0 (the reference uses 1.0, or 0.1 for OCR), got {self.nft_beta}.")

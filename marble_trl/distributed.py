@@ -236,13 +236,15 @@ def disable_zero3_init() -> None:
 
 def check_frozen_models_not_partitioned(pipeline) -> None:
     """Frozen pipeline components built under ``deepspeed.zero.Init`` have empty weights outside any engine."""
-    for name in ("vae", "text_encoder", "text_encoder_2", "text_encoder_3"):
-        component = getattr(pipeline, name, None)
-        if component is not None and any(hasattr(p, "ds_id") for p in component.parameters()):
+    for name, component in getattr(pipeline, "components", {}).items():
+        if name == "transformer" or not isinstance(component, torch.nn.Module):
+            continue
+        if any(hasattr(p, "ds_id") for p in component.parameters()):
             raise ValueError(
-                f"The pipeline's {name} was built partitioned by DeepSpeed ZeRO-3 (deepspeed.zero.Init), but it is not "
-                "part of the DeepSpeed engine, so its weights would never be gathered. Load the pipeline with "
-                "marble_trl.models.load_sd3_pipeline (or inside marble_trl.distributed.zero3_init_disabled())."
+                f"The {type(pipeline).__name__}'s {name} was built partitioned by DeepSpeed ZeRO-3 "
+                "(deepspeed.zero.Init), but it is not part of the DeepSpeed engine, so its weights would never be "
+                "gathered. Load the pipeline with marble_trl.models.load_model (any family; or build it inside "
+                "marble_trl.distributed.zero3_init_disabled())."
             )
 
 

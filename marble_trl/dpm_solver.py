@@ -36,8 +36,17 @@ class FlowMatchDPMSolver2Scheduler(FlowMatchEulerDiscreteScheduler):
     ``step`` is the DPM-Solver update; one model evaluation per step.
     """
 
-    def set_timesteps(self, *args, **kwargs):
-        super().set_timesteps(*args, **kwargs)
+    # The parent's signature spelled out: the family pipelines (FLUX, Qwen-Image, Z-Image) pass their sigma list only
+    # to a set_timesteps whose signature names `sigmas` (diffusers' retrieve_timesteps).
+    def set_timesteps(
+        self,
+        num_inference_steps: int | None = None,
+        device: str | torch.device | None = None,
+        sigmas: list[float] | None = None,
+        mu: float | None = None,
+        timesteps: list[float] | None = None,
+    ) -> None:
+        super().set_timesteps(num_inference_steps, device, sigmas=sigmas, mu=mu, timesteps=timesteps)
         self._previous_x0: torch.Tensor | None = None
 
     def step(

@@ -110,10 +110,12 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     sample_scheduler: str = field(
         default="dpm2",
         metadata={
-            "help": "Rollout ODE solver: 'euler' (FlowMatchEulerDiscreteScheduler), 'heun' (FlowMatchHeunDiscrete"
-            "Scheduler), 'dpm2' (the reference's 2nd-order multistep DPM-Solver on the pipeline's Euler sigma grid, "
-            "the training grid), 'dpm2_diffusers' (diffusers' DPMSolverMultistepScheduler with flow sigmas, its own "
-            "grid), 'pipeline' (the pipeline's own scheduler), or any diffusers scheduler class name."
+            "help": "Rollout ODE solver, run on the family's training grid (the Euler grid with the family's shift) "
+            "for every family: 'dpm2' (the reference's 2nd-order multistep DPM-Solver), 'euler', 'heun' "
+            "(FlowMatchHeunDiscreteScheduler), 'dpm2_diffusers' (diffusers' DPMSolverMultistepScheduler, DPM-Solver++ "
+            "2M), 'pipeline' (the pipeline's own scheduler class), or one of the diffusers flow solvers "
+            "FlowMatchEulerDiscreteScheduler, FlowMatchHeunDiscreteScheduler, DPMSolverMultistepScheduler, "
+            "UniPCMultistepScheduler (others are refused: docs/config.md)."
         },
     )
     num_sample_steps: int = field(

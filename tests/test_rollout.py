@@ -36,14 +36,23 @@ def test_dpm2_rollout_evaluates_the_model_exactly_on_the_training_grid(tiny_pipe
 
 
 def test_dpm2_grid_is_the_reference_grid_not_diffusers_dpm_grid():
-    """The reference's 10-step grid at shift 3 ends 0.2780, 0.0089 -> 0; diffusers' DPM grid 0.4283, 0.2498 -> 0."""
+    """The reference's 10-step grid at shift 3 ends 0.2780, 0.0089 -> 0; diffusers' own DPM grid 0.4283, 0.2498 -> 0.
+    ``dpm2_diffusers`` runs diffusers' DPM-Solver on the reference's grid, not on diffusers' own."""
+    from diffusers import DPMSolverMultistepScheduler
+
     ours = make_scheduler("dpm2", SD35_SCHEDULER)
     ours.set_timesteps(10)
     assert ours.sigmas[-3:].tolist() == pytest.approx([0.2780, 0.0089, 0.0], abs=1e-4)
     assert torch.equal(ours.sigmas[:-1], training_sigmas(SD35_SCHEDULER, 10))
-    theirs = make_scheduler("dpm2_diffusers", SD35_SCHEDULER)
-    theirs.set_timesteps(10)
-    assert theirs.sigmas[-3:].tolist() == pytest.approx([0.4283, 0.2498, 0.0], abs=1e-4)
+    diffusers_own = DPMSolverMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    diffusers_own.set_timesteps(10)
+    assert diffusers_own.sigmas[-3:].tolist() == pytest.approx([0.4283, 0.2498, 0.0], abs=1e-4)
+    on_grid = make_scheduler("dpm2_diffusers", SD35_SCHEDULER)
+    on_grid.set_timesteps(10)
+    assert torch.equal(on_grid.sigmas, ours.sigmas)
+    assert torch.equal(on_grid.timesteps, ours.timesteps)  # unrounded 1000 sigma (diffusers rounds its own)
 
 
 MU, S = 0.3, 0.5  # data x0 ~ N(MU, S^2): the flow's velocity field is linear in x, its ODE solvable exactly

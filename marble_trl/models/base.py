@@ -16,6 +16,7 @@ import torch
 
 from ..artifacts import LORA_KEY_PREFIX
 from ..distributed import zero3_init_disabled
+from ..rollout import pinned_grid, training_sigmas
 from .loading import cast_built, from_pretrained
 from .prompt_cache import encoders_visiting
 
@@ -79,6 +80,7 @@ class DiffusersFlowAdapter:
     family: ClassVar[str]
     pipeline_class_name: ClassVar[str]  # the diffusers pipeline class (model_index.json's _class_name)
     tiny_name: ClassVar[str | None] = None  # the offline random model's name (tests, smoke runs)
+    hub_ids: ClassVar[tuple[str, ...]] = ()  # the family's published Hub repos: recognised without a download
     default_lora_targets: ClassVar[tuple[str, ...]]
     # "cfg": guidance_scale > 1 is classifier-free guidance with the negative prompt (a second forward per step);
     # "embedded": guidance-distilled (FLUX.1-dev), guidance_scale is the transformer's guidance input.
@@ -105,9 +107,10 @@ class DiffusersFlowAdapter:
 
     @classmethod
     def load(cls, name_or_path: str | os.PathLike, torch_dtype: torch.dtype | None = None, tiny_seed: int = 0):
-        if cls.tiny_name is not None and str(name_or_path) == cls.tiny_name:
-            return cls(cast_built(cls.build_tiny(seed=tiny_seed), torch_dtype))
-        with zero3_init_disabled():  # frozen components must not be partitioned by ZeRO-3 (marble_trl.distributed)
+        # Frozen components must not be partitioned by ZeRO-3 (marble_trl.distributed), the tiny models' neither.
+        with zero3_init_disabled():
+            if cls.tiny_name is not None and str(name_or_path) == cls.tiny_name:
+                return cls(cast_built(cls.build_tiny(seed=tiny_seed), torch_dtype))
             return cls(from_pretrained(cls.pipeline_class(), name_or_path, torch_dtype))
 
     @classmethod
@@ -159,9 +162,15 @@ class DiffusersFlowAdapter:
     def _encode(self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float):
         raise NotImplementedError
 
+    def training_grid(self, num_steps: int, resolution: int) -> torch.Tensor:
+        """The sigmas DiffusionNFT trains on and every rollout solver evaluates the transformer at: the pipeline's
+        Euler grid with the family's ``set_timesteps`` arguments (:func:`marble_trl.rollout.training_sigmas`)."""
+        return training_sigmas(self.pipeline.scheduler, num_steps, **self.timestep_kwargs(num_steps, resolution))
+
     def call_for_latents(self, scheduler, num_steps: int, resolution: int, generator: torch.Generator, **kwargs):
-        """:func:`call_pipeline_for_latents` on this adapter's pipeline."""
-        return call_pipeline_for_latents(self.pipeline, scheduler, num_steps, resolution, generator, **kwargs)
+        """:func:`call_pipeline_for_latents` on this adapter's pipeline, on the family's training grid."""
+        grid = self.training_grid(num_steps, resolution)
+        return call_pipeline_for_latents(self.pipeline, scheduler, num_steps, resolution, generator, grid, **kwargs)
 
     # ---------------------------------------------------------------------------------------------- LoRA files
     def save_lora(
@@ -170,22 +179,28 @@ class DiffusersFlowAdapter:
         save_diffusers_lora(self.pipeline_class(), folder, layers, metadata, weight_name)
 
 
-def call_pipeline_for_latents(pipe, scheduler, num_steps: int, resolution: int, generator: torch.Generator, **kwargs):
+def call_pipeline_for_latents(
+    pipe, scheduler, num_steps: int, resolution: int, generator: torch.Generator, grid=None, **kwargs
+):
     """The pipeline's own ``__call__`` for ``num_steps`` steps of square ``resolution`` images with ``scheduler``
-    swapped in, ``output_type="latent"`` (the pipeline's scheduler is restored afterwards); ``kwargs``: the family's
-    conditioning and guidance arguments."""
+    swapped in, ``output_type="latent"`` (the pipeline's scheduler is restored afterwards), on the training ``grid``
+    (default: the pipeline's Euler grid without family arguments, SD3's); ``kwargs``: the family's conditioning and
+    guidance arguments."""
+    if grid is None:
+        grid = training_sigmas(pipe.scheduler, num_steps)
     original = pipe.scheduler
     pipe.scheduler = scheduler
     try:
-        return pipe(
-            num_inference_steps=num_steps,
-            height=resolution,
-            width=resolution,
-            generator=generator,
-            output_type="latent",
-            return_dict=True,
-            **kwargs,
-        )
+        with pinned_grid(scheduler, grid):
+            return pipe(
+                num_inference_steps=num_steps,
+                height=resolution,
+                width=resolution,
+                generator=generator,
+                output_type="latent",
+                return_dict=True,
+                **kwargs,
+            )
     finally:
         pipe.scheduler = original
 

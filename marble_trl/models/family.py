@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from .flux import FluxAdapter
-from .loading import pipeline_class_name
+from .loading import local_folder, pipeline_class_name
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
 from .tiny import SHAPES_MODEL_NAME
@@ -38,6 +38,7 @@ class FlowModelAdapter(Protocol):
     family: ClassVar[str]  # the family's name, e.g. "sd3"
     pipeline_class_name: ClassVar[str]  # the diffusers pipeline class it wraps (model_index.json's _class_name)
     tiny_name: ClassVar[str | None]  # its offline random model, e.g. "tiny-flux"
+    hub_ids: ClassVar[tuple[str, ...]]  # its published Hub repos (the family is known offline, e.g. for a preflight)
     default_lora_targets: ClassVar[tuple[str, ...]]  # module-name suffixes of the community's LoRA for the family
     guidance: ClassVar[str]  # "cfg" (guidance_scale > 1: CFG with the negative prompt) or "embedded" (FLUX.1-dev)
     video: ClassVar[bool]  # decode returns videos [B, F, 3, H, W] instead of images [B, 3, H, W]
@@ -125,6 +126,10 @@ def family_of(name_or_path: str | os.PathLike) -> type:
             return family
     if name == SHAPES_MODEL_NAME:
         return SD3Adapter
+    if local_folder(name) is None:
+        for family in FAMILIES:
+            if name in family.hub_ids:  # a published repo: no model_index.json download needed
+                return family
     class_name = pipeline_class_name(name)
     for family in FAMILIES:
         if family.pipeline_class_name == class_name:

@@ -121,6 +121,7 @@ class FluxAdapter(PackedLatentAdapter):
     family = "flux"
     pipeline_class_name = "FluxPipeline"
     tiny_name = TINY_FLUX_NAME
+    hub_ids = ("black-forest-labs/FLUX.1-dev", "black-forest-labs/FLUX.1-schnell", "black-forest-labs/FLUX.1-Krea-dev")
     default_lora_targets = FLUX_LORA_TARGETS
     guidance = "embedded"
 

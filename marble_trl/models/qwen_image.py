@@ -60,6 +60,7 @@ class QwenImageAdapter(PackedLatentAdapter):
     family = "qwen-image"
     pipeline_class_name = "QwenImagePipeline"
     tiny_name = TINY_QWEN_IMAGE_NAME
+    hub_ids = ("Qwen/Qwen-Image",)
     default_lora_targets = QWEN_IMAGE_LORA_TARGETS
 
     def __init__(self, pipeline) -> None:

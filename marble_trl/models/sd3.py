@@ -149,6 +149,12 @@ class SD3Adapter(DiffusersFlowAdapter):
     family = "sd3"
     pipeline_class_name = "StableDiffusion3Pipeline"
     tiny_name = TINY_MODEL_NAME
+    hub_ids = (
+        "stabilityai/stable-diffusion-3-medium-diffusers",
+        "stabilityai/stable-diffusion-3.5-medium",
+        "stabilityai/stable-diffusion-3.5-large",
+        "stabilityai/stable-diffusion-3.5-large-turbo",
+    )
     default_lora_targets = tuple(DEFAULT_LORA_TARGETS)
 
     @classmethod

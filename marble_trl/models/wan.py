@@ -44,6 +44,12 @@ class WanAdapter(DiffusersFlowAdapter):
     family = "wan"
     pipeline_class_name = "WanPipeline"
     tiny_name = TINY_WAN_NAME
+    hub_ids = (
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+    )
     default_lora_targets = WAN_LORA_TARGETS
     video = True
 

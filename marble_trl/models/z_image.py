@@ -69,6 +69,7 @@ class ZImageAdapter(PackedLatentAdapter):
     family = "z-image"
     pipeline_class_name = "ZImagePipeline"
     tiny_name = TINY_Z_IMAGE_NAME
+    hub_ids = ("Tongyi-MAI/Z-Image", "Tongyi-MAI/Z-Image-Turbo")
     default_lora_targets = Z_IMAGE_LORA_TARGETS
 
     @classmethod

@@ -207,6 +207,9 @@ def micro_batch_loss(
     if engine is not None:
         r_k = advantage_to_r(batch.per_reward_advantages.to(device), settings.adv_clip_max)
         r_k = backend.per_reward_r(r_k, r, batch.plan.mode)
+    reported = None
+    if batch.reported is not None:
+        reported = (advantage_to_r(batch.reported[0].to(device), settings.adv_clip_max), batch.reported[1])
     num_train = batch.timestep_index.shape[1]
     total = torch.zeros((), device=device)
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
@@ -216,6 +219,11 @@ def micro_batch_loss(
         v_theta, terms, loss = backend.timestep(
             model, transformer, forward, engine, batch.plan.mode, settings, r_k, scale, j == num_train - 1
         )
+        if reported is not None:  # the loss of the step as planned (a solved-first refresh), for the log
+            with torch.no_grad():
+                loss = nft_loss(
+                    terms, reported[0], settings.nft_beta, settings.adv_clip_max, settings.beta, reported[1]
+                )
         total += loss.detach()
         # Detached tensors, read once per micro-batch: no device sync per timestep.
         sums["nft/loss_pos"] += terms.loss_pos.detach().mean()

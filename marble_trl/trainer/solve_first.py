@@ -113,6 +113,7 @@ def solve_first_refresh(
     new_plan = dataclasses.replace(plan, mode=mode, policy_scale=total)
     for batch in batches:
         per_reward = batch.per_reward_advantages
+        batch.reported = (batch.advantages, plan.policy_scale)
         batch.advantages = (w.to(per_reward)[:, None] * per_reward).sum(dim=0)
         batch.plan = new_plan
     return SolveFirstResult(info, pairs)

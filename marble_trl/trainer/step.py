@@ -178,6 +178,9 @@ class MicroBatch:
     index: int  # this process's micro-batch number in the step
     last: bool  # the step's last micro-batch
     plan: StepPlan
+    # A solved-first refresh trains on re-planned advantages; its logged loss stays that of the step as planned
+    # (advantages, policy_scale), as on every back-end (docs/metrics.md, `loss`). None: the trained one.
+    reported: tuple[torch.Tensor, float] | None = None
 
     def __contains__(self, key: str) -> bool:  # transformers probes inputs for "input_ids" (token and FLOP counts)
         return key in {f.name for f in fields(self)}

@@ -68,7 +68,7 @@ from ..models.prompt_cache import build_prompt_cache, dataset_prompts, offload_t
 from ..nft import advantage_to_r, old_policy_decay, param_ema_decay
 from ..nft_config import MarbleDiffusionNFTConfig
 from ..rewards import RewardFunc, RewardLogs, check_reward_funcs, score_rewards
-from ..rollout import make_scheduler, training_sigmas
+from ..rollout import make_scheduler
 from ..seeding import keyed_generator
 from ..sources import SOURCE_COLUMN
 from ..trackers import adapt_model_config, log_image
@@ -214,8 +214,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             offload_text_encoders(self.pipeline, "cpu")
             self.model_adapter.text_encoders_offloaded = True
         self.rollout_scheduler = make_scheduler(args.sample_scheduler, self.pipeline.scheduler)
-        grid = self.model_adapter.timestep_kwargs(args.num_sample_steps, args.resolution)  # the family's sigma grid
-        self.train_sigmas = training_sigmas(self.pipeline.scheduler, args.num_sample_steps, **grid)
+        self.train_sigmas = self.model_adapter.training_grid(args.num_sample_steps, args.resolution)
         self.eval_scheduler = make_scheduler(args.eval_sample_scheduler, self.pipeline.scheduler)
         if self.is_deepspeed_enabled:
             plugin_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
