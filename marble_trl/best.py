@@ -1,7 +1,8 @@
 """Best-checkpoint selection and the reward-hacking guard (``docs/evaluation.md``).
 
 - :func:`selection_metrics`: the metrics :meth:`MarbleDiffusionNFTTrainer.evaluate` adds to the eval rewards:
-  ``{prefix}_composite`` (a scale-free summary of all evaluation rewards, usable as ``metric_for_best_model``) and, from
+  ``{prefix}_composite`` (a scale-free summary of all evaluation rewards, usable as ``metric_for_best_model``),
+  ``{prefix}_mean_reward`` (the plain mean of the rewards' means: MARBLE's release selects by it) and, from
   the second evaluation on, the hacking signal ``{prefix}_hacking/<name>`` (training reward up, held-out score down);
 - :func:`record_best_checkpoint`: points ``state.best_model_checkpoint`` at the real ``checkpoint-N`` folder (the
   Trainer computes it from the staging folder of an atomic save, see :mod:`marble_trl.checkpoint`);
@@ -74,6 +75,10 @@ def selection_metrics(
     the evaluation is logged."""
     evals = _evaluations(history, prefix)
     out: dict[str, float] = {}
+    means = [metrics.get(f"{prefix}_rewards/{name}/mean") for name in eval_reward_names]
+    means = [m for m in means if _finite(m)]
+    if means:  # MARBLE's release selects its best checkpoint by this plain mean of the raw means (its "composite")
+        out[f"{prefix}_mean_reward"] = sum(means) / len(means)
     value = composite(eval_reward_names, metrics, evals[0] if evals else None, prefix)
     if value is None:
         return out

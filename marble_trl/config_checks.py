@@ -22,6 +22,7 @@ logger = logging.getLogger("marble_trl.nft_config")  # the config's warnings, un
 BALANCER_AGGREGATIONS = ("marble", *AGGREGATORS)
 AGGREGATIONS = ("auto", "sum_then_normalize", "normalize_then_sum", *BALANCER_AGGREGATIONS)
 WEIGHTED_SUM_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # reward_weights enter the advantages
+MARBLE_PROCEDURES = ("paper", "released")
 
 
 def check_fields(self) -> None:
@@ -144,6 +145,7 @@ def check_fields(self) -> None:
         f"marble_silent_rewards must be 'decay' or 'hold', got {self.marble_silent_rewards!r}.",
     )
     need(self.marble_uniform_final_steps >= 0, "marble_uniform_final_steps must be >= 0.")
+    check_marble_procedure(self, need)
     need(
         0 <= self.param_ema_max_decay < 1,
         f"param_ema_max_decay must be in [0, 1), got {self.param_ema_max_decay}.",
@@ -172,6 +174,59 @@ def check_fields(self) -> None:
         )
     if self.prompts_per_step is not None:
         need(self.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {self.prompts_per_step}.")
+
+
+# The paper procedure's knobs (non-default values), which mean nothing to the released one.
+PAPER_ONLY = {
+    "marble_refresh_update": "gradient",
+    "marble_refresh_subset": 0,
+    "marble_amortised_update": "alpha_bar",
+    "marble_silent_rewards": "decay",
+    "marble_uniform_final_steps": 0,
+    "log_update_cosines": False,
+}
+RELEASED_ONLY = {
+    "marble_warmup_steps": 1,
+    "marble_alpha_floor": 0.0,
+    "marble_reward_groups": None,
+    "marble_mgda_weights": None,
+    "marble_normalize_gradients": True,
+    "marble_reward_dropout_targets": None,
+    "marble_reward_dropout_prob": 0.0,
+    "marble_reward_dropout_warmup_steps": 0,
+}
+
+
+def check_marble_procedure(self, need) -> None:
+    """``marble_procedure`` and the knobs that belong to one procedure only."""
+    need(
+        self.marble_procedure in MARBLE_PROCEDURES,
+        f"marble_procedure must be one of {MARBLE_PROCEDURES}, got {self.marble_procedure!r}.",
+    )
+    released = self.marble_procedure == "released"
+    other = PAPER_ONLY if released else RELEASED_ONLY
+    stray = [name for name, default in other.items() if getattr(self, name) not in (default, [], {})]
+    need(
+        not stray,
+        f"{stray} belong to marble_procedure={'paper' if released else 'released'!r}, not to "
+        f"{self.marble_procedure!r}: drop them, or set marble_procedure (docs/marble.md).",
+    )
+    need(
+        not released or self.multi_objective_aggregation in ("marble", "auto"),
+        "marble_procedure='released' is MARBLE's own procedure: it needs multi_objective_aggregation 'marble' (or "
+        f"'auto'), got {self.multi_objective_aggregation!r}.",
+    )
+    need(self.marble_warmup_steps >= 0, f"marble_warmup_steps must be >= 0, got {self.marble_warmup_steps}.")
+    need(self.marble_alpha_floor >= 0, f"marble_alpha_floor must be >= 0, got {self.marble_alpha_floor}.")
+    need(
+        0 <= self.marble_reward_dropout_prob <= 1,
+        f"marble_reward_dropout_prob must be in [0, 1], got {self.marble_reward_dropout_prob}.",
+    )
+    need(
+        self.marble_reward_dropout_warmup_steps >= 0,
+        f"marble_reward_dropout_warmup_steps must be >= 0, got {self.marble_reward_dropout_warmup_steps}.",
+    )
+    need(self.param_ema_first_step in (0, 1), f"param_ema_first_step must be 0 or 1, got {self.param_ema_first_step}.")
 
 
 def check_zero_weights(self) -> None:

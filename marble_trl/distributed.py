@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -99,6 +100,17 @@ def configure_fsdp(accelerator) -> None:
       float32 (the adapters are float32, ``docs/distributed.md``).
     """
     if not is_fsdp(accelerator):
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true"):
+            # accelerate drops FSDP silently where it does not apply (one process; CPU processes).
+            logger.warning(
+                "The accelerate config asks for FSDP (distributed_type: FSDP), but accelerate runs %d %s process(es) "
+                "as %s: this run does NOT shard the transformer; every process holds all of it, as under DDP. FSDP2 "
+                "needs at least 2 processes on GPUs (--num_processes N); for one GPU use recipes/accelerate/"
+                "single_gpu.yaml.",
+                accelerator.num_processes,
+                accelerator.device.type,
+                accelerator.distributed_type,
+            )
         return
     plugin = accelerator.state.fsdp_plugin
     version = getattr(plugin, "fsdp_version", 1)

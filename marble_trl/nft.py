@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-DECAY_TYPES = ("on_policy", "linear", "delayed")
+DECAY_TYPES = ("on_policy", "linear", "delayed", "marble")
 
 
 def advantage_to_r(advantages: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
@@ -89,6 +89,27 @@ def nft_policy_loss(terms: NFTTerms, r: torch.Tensor, nft_beta: float, adv_clip_
     return adv_clip_max / nft_beta * (r * terms.loss_pos + (1.0 - r) * terms.loss_neg)
 
 
+def nft_weighted_loss(
+    terms: NFTTerms, pos_weight: torch.Tensor, neg_weight: torch.Tensor, nft_beta: float, adv_clip_max: float,
+    beta: float,
+) -> torch.Tensor:  # fmt: skip
+    """The NFT loss with per-sample weights on the two terms, ``A_max / b * mean_i(a_i L_pos_i + n_i L_neg_i) + beta
+    KL``: the update ``sum_k c_k g_k`` of per-reward gradients whose losses weight their samples ``w_ki`` (a masked
+    solve) is its gradient with ``a_i = sum_k c_k w_ki r_ki`` and ``n_i = sum_k c_k w_ki (1 - r_ki)`` (MARBLE's Prop. 1
+    with per-sample weights; exact whatever the clamps of the ``r_k``)."""
+    loss = (adv_clip_max / nft_beta * (pos_weight * terms.loss_pos + neg_weight * terms.loss_neg)).mean()
+    if beta > 0:
+        loss = loss + beta * terms.kl.mean()
+    return loss
+
+
+def masked_weights(masks: torch.Tensor) -> torch.Tensor:
+    """[K, B] sample weights of a masked solve: reward k's loss is the mean over its ``n_k`` applicable samples of the
+    micro-batch, ``w_ki = B m_ki / max(n_k, 1)`` against the NFT loss's mean over all ``B`` (train.py 341-345)."""
+    b = masks.shape[1]
+    return masks.float() * b / masks.sum(dim=1, keepdim=True).clamp(min=1)
+
+
 def nft_loss(
     terms: NFTTerms, r: torch.Tensor, nft_beta: float, adv_clip_max: float, beta: float, policy_scale: float = 1.0
 ) -> torch.Tensor:
@@ -109,10 +130,13 @@ def old_policy_decay(step: int, decay_type: str) -> float:
 
     - ``"on_policy"``: ``eta = 0``, the old policy is the current one;
     - ``"linear"`` (default): ``eta = min(0.001 * step, 0.5)``;
-    - ``"delayed"`` (the reference's OCR schedule): 0 for 75 steps, then ``min(0.0075 * (step - 75), 0.999)``.
+    - ``"delayed"`` (the reference's OCR schedule): 0 for 75 steps, then ``min(0.0075 * (step - 75), 0.999)``;
+    - ``"marble"`` (MARBLE's released code): ``min(0.001 * (step + 1), 0.95)``.
     """
     if decay_type == "on_policy":
         return 0.0
+    if decay_type == "marble":  # MARBLE's release: steps counted from 1 (the one just taken), capped at 0.95
+        return min(0.001 * (step + 1), 0.95)
     if decay_type == "linear":
         flat, rate, cap = 0, 0.001, 0.5
     elif decay_type == "delayed":

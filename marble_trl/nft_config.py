@@ -181,7 +181,8 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         default="linear",
         metadata={
             "help": "Old-policy EMA schedule: 'linear' (eta=min(0.001 i, 0.5), reference default), 'on_policy' "
-            "(eta=0), 'delayed' (0 for 75 steps then 0.0075/step up to 0.999, the reference's OCR schedule)."
+            "(eta=0), 'delayed' (0 for 75 steps then 0.0075/step up to 0.999, the reference's OCR schedule), "
+            "'marble' (MARBLE's release: eta=min(0.001 (i + 1), 0.95))."
         },
     )
     old_policy_update_interval: int = field(
@@ -249,6 +250,17 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     )
 
     # --- MARBLE balancer ---
+    marble_procedure: str = field(
+        default="paper",
+        metadata={
+            "help": "Which MARBLE: 'paper' (the paper's text: every marble_refresh_interval steps the full procedure "
+            "on the whole step's per-reward gradients, alpha_bar starting uniform) or 'released' (the authors' code, "
+            "aim-uofa/MARBLE: each (micro-batch, timestep) pair is solved or amortised on its own; every pair of the "
+            "first marble_warmup_steps steps is solved, then the first pair of every marble_refresh_interval-th step; "
+            "alpha_bar starts at the first alpha*; non-applicable samples are masked out of a solve). docs/marble.md "
+            "compares them line by line."
+        },
+    )
     marble_rho: float = field(default=0.7, metadata={"help": "EMA factor rho of the coefficients (MARBLE: 0.7)."})
     marble_refresh_interval: int = field(
         default=10, metadata={"help": "Refresh the coefficients every N optimizer steps (MARBLE: 10; 1 = every step)."}
@@ -295,6 +307,60 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     marble_uniform_final_steps: int = field(
         default=0, metadata={"help": "Train the last this many steps with uniform coefficients (0 = off)."}
     )
+    marble_masked_solve: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Mask samples a reward does not apply to (None) out of that reward's gradient: each reward's loss "
+            "in a (micro-batch, timestep) pair is its mean over the micro-batch's applicable samples, as the release "
+            "does. Off: they count with A_k = 0 (r = 0.5), which adds 0.5 grad(L_pos + L_neg) (a pull toward the old "
+            "policy) to a specialist's gradient and scales its norm by the applicable fraction. Default: on for "
+            "marble_procedure='released', off for 'paper'."
+        },
+    )
+    marble_warmup_steps: int = field(
+        default=1,
+        metadata={"help": "'released' only: the first this many steps solve every pair (the release: 1)."},
+    )
+    marble_alpha_floor: float = field(
+        default=0.0,
+        metadata={"help": "'released' only: lower bound of each alpha in the QP (capped at 1/K; the release: 0)."},
+    )
+    marble_reward_groups: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "'released' only: {group: [reward, ...]} whose gradients are averaged before the QP (one alpha per "
+            "group, split equally among its members in amortised pairs); a dict or JSON string (the release: none)."
+        },
+    )
+    marble_mgda_weights: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "'released' only: {reward or group: w} scaling its unit gradient in the QP and the update (not in "
+            "amortised pairs); a dict or JSON string (the release: none, all 1)."
+        },
+    )
+    marble_normalize_gradients: bool = field(
+        default=True,
+        metadata={
+            "help": "'released' only: Eq. 5 and 7 (unit gradients, rescaled by their mean norm); the release: on."
+        },
+    )
+    marble_reward_dropout_targets: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "'released' only: rewards that may drop out of a pair (from the samples where another reward "
+            "applies), each with probability marble_reward_dropout_prob (the release: none)."
+        },
+    )
+    marble_reward_dropout_prob: float = field(
+        default=0.0, metadata={"help": "'released' only: the reward-dropout probability (the release: 0)."}
+    )
+    marble_reward_dropout_warmup_steps: int = field(
+        default=0,
+        metadata={
+            "help": "'released' only: the dropout probability ramps up linearly over this many steps (0: none)."
+        },
+    )
     log_update_cosines: bool = field(
         default=False,
         metadata={
@@ -320,6 +386,13 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     )
     param_ema_max_decay: float = field(
         default=0.9, metadata={"help": "Cap of the parameter-EMA decay min((1+s)/(10+s), cap) (reference: 0.9)."}
+    )
+    param_ema_first_step: int = field(
+        default=0,
+        metadata={
+            "help": "The s of the parameter EMA's first update in min((1+s)/(10+s), cap): 0 (DiffusionNFT's code) or "
+            "1 (MARBLE's release, which counts the step just taken)."
+        },
     )
 
     # --- prompt sources ---
@@ -412,6 +485,14 @@ class MarbleDiffusionNFTConfig(BaseConfig):
                 raise ValueError(
                     f'source_ratios must be a dict or a JSON object string like \'{{"a": 0.7, "b": 0.3}}\': {err}.'
                 ) from err
+        for name in ("marble_reward_groups", "marble_mgda_weights"):
+            if isinstance(getattr(self, name), str):
+                try:
+                    setattr(self, name, json.loads(getattr(self, name)))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{name} must be a dict or a JSON object string: {err}.") from err
+        if self.marble_masked_solve is None:
+            self.marble_masked_solve = self.marble_procedure == "released"
         if isinstance(self.eval_reward_funcs, str):
             self.eval_reward_funcs = [self.eval_reward_funcs]
         # GRPOConfig maps True -> "group" and False -> "none"; YAML gives a bool, the command line "true" / "false".

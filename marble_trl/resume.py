@@ -58,6 +58,16 @@ EXACT_FIELDS = (
     "marble_refresh_update",
     "marble_amortised_update",
     "marble_silent_rewards",
+    "marble_procedure",
+    "marble_masked_solve",
+    "marble_warmup_steps",
+    "marble_alpha_floor",
+    "marble_reward_groups",
+    "marble_mgda_weights",
+    "marble_normalize_gradients",
+    "marble_reward_dropout_targets",
+    "marble_reward_dropout_prob",
+    "marble_reward_dropout_warmup_steps",
     "max_grad_norm",
     "lora_r",
     "lora_alpha",
@@ -66,6 +76,7 @@ EXACT_FIELDS = (
     "lora_target_modules",
     "param_ema",
     "param_ema_max_decay",
+    "param_ema_first_step",
 )
 APPLIED_FIELDS = ("learning_rate", "weight_decay")  # held by the optimizer state: applied to it when allowed
 FROZEN_FIELDS = (

@@ -155,3 +155,24 @@ def test_fsdp_plugin_is_checked_and_keeps_dtypes():
     ddp = accelerator(1, bf16, DistributedType.MULTI_GPU)
     configure_fsdp(ddp)  # not FSDP: untouched, no error
     assert ddp.state.fsdp_plugin.mixed_precision_policy is bf16
+
+
+def test_fsdp_config_on_one_process_says_it_does_not_shard(tmp_path, monkeypatch, caplog):
+    """`--accelerate_config fsdp2.yaml` with one (CPU) process: accelerate drops FSDP without a word; the trainer says
+    so (recipes/accelerate/fsdp2.yaml is for GPUs, 2 processes or more)."""
+    from tiny import brightness, tiny_args
+
+    from marble_trl import MarbleDiffusionNFTTrainer
+    from marble_trl.data import load_prompt_dataset
+
+    args = tiny_args(tmp_path / "plain")
+    with caplog.at_level("WARNING", logger="marble_trl.distributed"):
+        MarbleDiffusionNFTTrainer("tiny", brightness, args=args, train_dataset=load_prompt_dataset())
+    assert "does NOT shard" not in caplog.text
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` exports for distributed_type: FSDP
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    args = tiny_args(tmp_path / "fsdp")
+    with caplog.at_level("WARNING", logger="marble_trl.distributed"):
+        trainer = MarbleDiffusionNFTTrainer("tiny", brightness, args=args, train_dataset=load_prompt_dataset())
+    assert not trainer.is_fsdp_enabled
+    assert "this run does NOT shard the transformer" in caplog.text and "1 cpu process(es)" in caplog.text

@@ -78,14 +78,21 @@ class _Calls:
 
 
 @pytest.mark.parametrize("saver", ["cache_prompt_embeddings", "offload_text_encoders"])
-def test_saver_trains_as_the_plain_run_with_the_text_encoders_on_the_cpu(tmp_path, saver):
+@pytest.mark.parametrize(("name", "guidance"), [("tiny", 1.0)] + [(f.tiny_name, "on") for f in FAMILIES])
+def test_saver_trains_as_the_plain_run_with_the_text_encoders_on_the_cpu(tmp_path, saver, name, guidance):
+    """Every family, with guidance on (CFG with the negative prompt; FLUX's embedded guidance) and, on SD3, off."""
     dataset = load_prompt_dataset()
     eval_set = Dataset.from_dict({"prompt": ["a prompt only the evaluation uses"]})
+    family = next(f for f in FAMILIES if f.tiny_name == name)
+    if guidance == "on":
+        guidance = 3.5 if family.guidance == "embedded" else 2.0
     runs, logs, calls = {}, {}, {}
     for on in (False, True):
-        args = tiny_args(tmp_path / str(on), max_steps=2, **{saver: on})
+        args = tiny_args(
+            tmp_path / str(on), max_steps=2, guidance_scale=guidance, lora_target_modules=None, **{saver: on}
+        )
         trainer = MarbleDiffusionNFTTrainer(
-            "tiny", [brightness, contrast], args=args, train_dataset=dataset, eval_dataset=eval_set
+            name, [brightness, contrast], args=args, train_dataset=dataset, eval_dataset=eval_set
         )
         calls[on] = _Calls(text_encoders(trainer.pipeline))
         trainer.train()
@@ -101,7 +108,12 @@ def test_saver_trains_as_the_plain_run_with_the_text_encoders_on_the_cpu(tmp_pat
         assert cache is None and calls[True].count == calls[False].count > 0  # each step encodes, as without it
         tolerance = 0.0  # the same computation, on the same device here
     else:
-        assert len(cache) == len(dataset_prompts(dataset, eval_set))  # train and eval prompts
+        # Train and eval prompts, the negative prompt under CFG; FLUX's conditioning holds the guidance scale, so its
+        # prompts are cached at the training scale and at the evaluation's (eval_guidance_scale 1.0).
+        expected = len(dataset_prompts(dataset, eval_set))
+        if family.guidance == "embedded" and guidance != 1.0:
+            expected *= 2
+        assert len(cache) == expected + int(trainer.model_adapter.needs_negative(guidance))
         assert calls[True].count == 0 and cache.misses == 0  # built before the hooks: never called while training
         # Rows encoded in other batches round differently (~1e-7), and Adam's normalised steps carry that into the
         # LoRA (measured: 1.5e-4 after 2 steps). atol = 10% of one step of lr 1e-2: a wrong row is a whole step.

@@ -144,3 +144,31 @@ def test_accelerate_config_loads(config: Path):
     assert loaded.mixed_precision == "no"
     header = "\n".join(line for line in config.read_text().splitlines() if line.startswith("#"))
     assert "accelerate launch" in header or "--accelerate_config" in header
+
+
+def test_released_recipe_is_the_release(tmp_path):
+    """aim-uofa/MARBLE @ 1bf9543, train.sh rho_07 (docs/marble.md): the released procedure and every released value,
+    on the paper recipe's model, rewards and group budget."""
+    _, rel = _parse(ROOT / "recipes" / "sd35m-marble-5rewards-released.yaml", 16, tmp_path)
+    script, paper = _parse(ROOT / "recipes" / "sd35m-marble-5rewards.yaml", 16, tmp_path)
+    assert (rel.marble_procedure, rel.marble_masked_solve, rel.scale_rewards) == ("released", True, "batch")
+    assert (rel.marble_refresh_interval, rel.marble_warmup_steps, rel.marble_rho, rel.marble_alpha_floor) == (
+        10,
+        1,
+        0.7,
+        0.0,
+    )
+    assert rel.marble_reward_groups is None and rel.marble_mgda_weights is None and not rel.marble_reward_dropout_prob
+    assert (rel.old_policy_decay, rel.param_ema, rel.param_ema_first_step, rel.max_sequence_length) == (
+        "marble",
+        True,
+        1,
+        128,
+    )
+    assert (rel.per_device_train_batch_size, rel.gradient_accumulation_steps) == (9, 8)  # 16 GPUs: the release's
+    assert rel.metric_for_best_model == "mean_reward"
+    same = (
+        "num_generations prompts_per_step num_sample_steps sample_scheduler learning_rate nft_beta beta lora_r".split()
+    )
+    assert {k: getattr(rel, k) for k in same} == {k: getattr(paper, k) for k in same}
+    assert paper.marble_procedure == "paper"

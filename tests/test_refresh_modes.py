@@ -165,3 +165,34 @@ def test_silent_rewards_hold_reaches_the_balancer(tmp_path):
     """The config field is the balancer's mode, so a specialist absent at a refresh keeps its alpha_bar."""
     assert _trainer(tmp_path, marble_silent_rewards="hold").balancer.silent == "hold"
     assert _trainer(tmp_path).balancer.silent == "decay"  # the default: the paper's Eq. 12 with alpha*_k = 0
+
+
+def _half(prompts, images, **_):
+    """Redness on prompts of even length (7 of the 16 bundled prompts), None on the others."""
+    red = (images[:, 0] - images[:, 1:].mean(dim=1)).mean(dim=(1, 2)).tolist()
+    return [r if len(p) % 2 == 0 else None for p, r in zip(prompts, red)]
+
+
+def test_masked_solve_for_the_paper_procedure_solved_first_or_exact(tmp_path):
+    """marble_masked_solve on the paper's procedure: each reward's refresh gradient averages the samples it applies to
+    (micro-batches of 2 groups, one reward on half the prompts). Eq. 7 of those gradients written into .grad equals
+    the solved-first update by Prop. 1 with per-sample weights, and differs from the unmasked refresh."""
+    common = dict(max_steps=3, optim="sgd", learning_rate=1.0, beta=1e-4, per_device_train_batch_size=8)
+    common |= dict(num_generations=4, prompts_per_step=4, param_ema=False)
+
+    def run(name, **extra):
+        args = small_args(tmp_path / name, **common, **extra)
+        trainer = MarbleDiffusionNFTTrainer(
+            "tiny", [brightness, _half], args=args, train_dataset=load_prompt_dataset()
+        )
+        trainer.train()
+        return trainer
+
+    exact = run("exact", marble_masked_solve=True)
+    first = run("first", marble_masked_solve=True, marble_refresh_subset=10**6)
+    plain = run("plain")
+    a, b, c = _lora(exact), _lora(first), _lora(plain)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
+    assert max((a[n] - c[n]).abs().max().item() for n in a) > 1e-4  # masking changes the refreshes
+    np.testing.assert_allclose(first.balancer.alpha_bar, exact.balancer.alpha_bar, rtol=1e-5)

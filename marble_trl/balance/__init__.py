@@ -13,6 +13,7 @@ from .engines import (
 )
 from .marble import MarbleBalancer, RefreshInfo, StepWeights
 from .qp import QPResult, normalized_gram, solve_min_norm, solve_normalized_min_norm
+from .released import PairSolve, ReleasedMarble
 
 __all__ = [
     "ENGINE_NAMES",
@@ -23,6 +24,8 @@ __all__ = [
     "make_gradient_engine",
     "unflatten",
     "MarbleBalancer",
+    "PairSolve",
+    "ReleasedMarble",
     "QPResult",
     "RefreshInfo",
     "StepWeights",

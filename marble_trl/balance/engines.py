@@ -70,7 +70,13 @@ class GradientEngine(Protocol):
     def capture(self, module: nn.Module) -> AbstractContextManager[None]: ...
 
     def accumulate(
-        self, loss_pos: Tensor, loss_neg: Tensor, r: Tensor, scale: float, extra_loss: Tensor | None = None
+        self,
+        loss_pos: Tensor,
+        loss_neg: Tensor,
+        r: Tensor,
+        scale: float,
+        extra_loss: Tensor | None = None,
+        weights: Tensor | None = None,
     ) -> None: ...
 
     def reset(self) -> None: ...
@@ -131,7 +137,7 @@ class _EngineBase:
         """Zero the buffers in place (the allocation is kept)."""
         self._buffers.zero_()
 
-    def _check_inputs(self, loss_pos: Tensor, loss_neg: Tensor, r: Tensor) -> None:
+    def _check_inputs(self, loss_pos: Tensor, loss_neg: Tensor, r: Tensor, weights: Tensor | None = None) -> None:
         if not self._capturing:
             raise RuntimeError("accumulate() must be called inside `with engine.capture(module):`.")
         if loss_pos.ndim != 1 or loss_pos.shape != loss_neg.shape:
@@ -140,6 +146,8 @@ class _EngineBase:
             )
         if r.shape != (self.num_rewards, loss_pos.shape[0]):
             raise ValueError(f"r must be [K={self.num_rewards}, B={loss_pos.shape[0]}], got {tuple(r.shape)}.")
+        if weights is not None and weights.shape != r.shape:
+            raise ValueError(f"weights must be [K, B] like r {tuple(r.shape)}, got {tuple(weights.shape)}.")
 
     @staticmethod
     def _backward_extra(extra_loss: Tensor | None) -> None:
@@ -163,14 +171,23 @@ class ReferenceGradientEngine(_EngineBase):
             self._capturing = False
 
     def accumulate(
-        self, loss_pos: Tensor, loss_neg: Tensor, r: Tensor, scale: float, extra_loss: Tensor | None = None
+        self,
+        loss_pos: Tensor,
+        loss_neg: Tensor,
+        r: Tensor,
+        scale: float,
+        extra_loss: Tensor | None = None,
+        weights: Tensor | None = None,
     ) -> None:
-        """``buffers[k] += scale * grad sum_i (r_ki L_pos_i + (1 - r_ki) L_neg_i)``; ``extra_loss`` goes to ``.grad``."""
-        self._check_inputs(loss_pos, loss_neg, r)
+        """``buffers[k] += scale * grad sum_i w_ki (r_ki L_pos_i + (1 - r_ki) L_neg_i)`` (``weights`` ``w`` [K, B],
+        default 1: a masked solve's per-reward sample weights); ``extra_loss`` goes to ``.grad``."""
+        self._check_inputs(loss_pos, loss_neg, r, weights)
         r = r.detach().to(loss_pos.dtype)
+        w = None if weights is None else weights.detach().to(loss_pos.dtype)
         last = self.num_rewards - 1
         for k in range(self.num_rewards):
-            loss_k = scale * (r[k] * loss_pos + (1.0 - r[k]) * loss_neg).sum()
+            per_sample = r[k] * loss_pos + (1.0 - r[k]) * loss_neg
+            loss_k = scale * (per_sample if w is None else w[k] * per_sample).sum()
             retain = k < last or (extra_loss is not None and extra_loss.requires_grad)
             grads = torch.autograd.grad(loss_k, self.params, retain_graph=retain, allow_unused=True)
             for p, g in zip(self.params, grads):
@@ -240,8 +257,10 @@ class TwoStreamGradientEngine(_EngineBase):
         # fold it into the K rows when `buffers` is read (once per optimizer step in the trainer).
         self._common = torch.zeros_like(self._buffers[0])
         self._common_dirty = False
-        self._mode: str | None = None  # None (pass-through), "u" (aggregated) or "e" (per-sample, contracted with r)
+        self._mode: str | None = None  # None (pass-through), "u" or "e": the stream being back-propagated
         self._r: Tensor | None = None
+        # The current pass's [K, B] per-sample coefficients (e: r, or w * r; u with weights: w), None: u aggregated
+        self._coeffs: Tensor | None = None
         self._batch = 0
         self._taps_fired = 0
 
@@ -306,26 +325,40 @@ class TwoStreamGradientEngine(_EngineBase):
         return hook
 
     def accumulate(
-        self, loss_pos: Tensor, loss_neg: Tensor, r: Tensor, scale: float, extra_loss: Tensor | None = None
+        self,
+        loss_pos: Tensor,
+        loss_neg: Tensor,
+        r: Tensor,
+        scale: float,
+        extra_loss: Tensor | None = None,
+        weights: Tensor | None = None,
     ) -> None:
-        """``buffers[k] += G_u + sum_i r_ki G_e,i`` from two backward passes; ``extra_loss`` goes to ``.grad``."""
-        self._check_inputs(loss_pos, loss_neg, r)
+        """``buffers[k] += G_u + sum_i r_ki G_e,i`` from two backward passes; ``extra_loss`` goes to ``.grad``.
+
+        With ``weights`` ``w`` [K, B] (a masked solve's per-reward sample weights) the ``u`` stream is per sample
+        too: ``buffers[k] += sum_i w_ki G_u,i + sum_i w_ki r_ki G_e,i``."""
+        self._check_inputs(loss_pos, loss_neg, r, weights)
         has_extra = extra_loss is not None and extra_loss.requires_grad
         self._batch = loss_pos.shape[0]
         self._r = r.detach().to(device=self._buffers.device, dtype=self._buffers.dtype)
+        u_coeffs = None
+        if weights is not None:
+            u_coeffs = weights.detach().to(device=self._buffers.device, dtype=self._buffers.dtype)
+            self._r = u_coeffs * self._r
         u = scale * loss_neg.sum()
         e = scale * (loss_pos - loss_neg).sum()
         try:
             # Differentiating wrt the dummy leaf runs every tap but computes no parameter gradient and touches no .grad.
             for mode, stream, retain in (("u", u, True), ("e", e, has_extra)):
                 self._mode, self._taps_fired = mode, 0
+                self._coeffs = self._r if mode == "e" else u_coeffs  # None: the u stream aggregated, common to all k
                 torch.autograd.grad(stream, [self._dummy], retain_graph=retain, allow_unused=True)
                 if self._taps_fired == 0:
                     raise RuntimeError(
                         "No captured layer received a gradient: run the trainable forward inside engine.capture()."
                     )
         finally:
-            self._mode, self._r = None, None
+            self._mode, self._r, self._coeffs = None, None, None
             self._common_dirty = True
         self._backward_extra(extra_loss)  # taps pass the KL cotangent through untouched (mode None)
 
@@ -347,21 +380,21 @@ class TwoStreamGradientEngine(_EngineBase):
                 x3 = x.reshape(b, -1, x.shape[-1])  # [B, N, in]
                 dtype = torch.promote_types(dy3.dtype, x3.dtype)
                 off, n = site.weight_offset, dy3.shape[-1] * x3.shape[-1]
-                if self._mode == "u":
+                if self._coeffs is None:
                     # Aggregated over samples and tokens: one [out, N*B] x [N*B, in] product.
                     g = dy3.reshape(-1, dy3.shape[-1]).to(dtype).T @ x3.reshape(-1, x3.shape[-1]).to(dtype)
                     common[off : off + n].add_(g.reshape(n).to(buf.dtype))
                 else:
                     # Per-sample first ([B, out, in], token sum inside the bmm), then [K, B] x [B, out*in].
                     g = torch.bmm(dy3.to(dtype).transpose(1, 2), x3.to(dtype))
-                    buf[:, off : off + n].addmm_(self._r, g.reshape(b, n).to(buf.dtype))
+                    buf[:, off : off + n].addmm_(self._coeffs, g.reshape(b, n).to(buf.dtype))
             if site.bias_offset is not None:
                 off, n = site.bias_offset, dy3.shape[-1]
                 gb = dy3.sum(dim=1).to(buf.dtype)  # [B, out]
-                if self._mode == "u":
+                if self._coeffs is None:
                     common[off : off + n].add_(gb.sum(dim=0))
                 else:
-                    buf[:, off : off + n].addmm_(self._r, gb)
+                    buf[:, off : off + n].addmm_(self._coeffs, gb)
 
 
 def _prepare_input(module: nn.Module, args: tuple) -> tuple | None:

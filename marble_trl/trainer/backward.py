@@ -37,7 +37,7 @@ from ..balance import (
 )
 from ..distributed import backward, full_tensor, shard_like
 from ..lora import use_old_policy, use_reference
-from ..nft import NFTTerms, add_noise, advantage_to_r, nft_loss, nft_loss_terms
+from ..nft import NFTTerms, add_noise, advantage_to_r, masked_weights, nft_loss, nft_loss_terms, nft_weighted_loss
 from .step import MicroBatch
 
 # predict(module, x_t, sigma, embeds) -> velocity: the model family's forward (marble_trl.models)
@@ -52,6 +52,7 @@ class LossSettings:
     beta: float  # KL weight
     adv_clip_max: float
     refresh_update: str  # marble_refresh_update
+    masked_solve: bool = False  # marble_masked_solve: per-reward gradients of a refresh average applicable samples
 
 
 @dataclass
@@ -80,10 +81,12 @@ class PlainBackward:
         r_k: torch.Tensor | None,
         scale: float,
         last: bool,
+        weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, NFTTerms, torch.Tensor]:
-        """One timestep's forward(s) and backward; returns ``(v_theta, terms, loss)`` of the update's forward."""
+        """One timestep's forward(s) and backward; returns ``(v_theta, terms, loss)`` of the update's forward
+        (``weights``: a masked solve's per-reward sample weights for the engine)."""
         if engine is None:
-            return self._ordinary(model, forward, scale, last)
+            return self.ordinary(model, forward, scale, last)
         # Forward through the unwrapped module: the engine back-propagates itself (DDP is bypassed).
         with engine.capture(transformer):
             v_theta, terms, loss = forward(transformer)
@@ -92,10 +95,10 @@ class PlainBackward:
             else:
                 extra = loss * scale
             weight = engine_scale(settings, scale, terms.loss_pos.shape[0])
-            engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=weight, extra_loss=extra)
+            engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=weight, extra_loss=extra, weights=weights)
         return v_theta, terms, loss
 
-    def _ordinary(self, model, forward: Callable, scale: float, last: bool):
+    def ordinary(self, model, forward: Callable, scale: float, last: bool):
         """The update's forward through ``model`` (the DDP / DeepSpeed wrapper) and its backward; gradients are
         synchronised on a micro-batch's last timestep only."""
         context = contextlib.nullcontext() if last else self.accelerator.no_sync(model)
@@ -141,14 +144,14 @@ class DeepSpeedBackward(PlainBackward):
         # The cosine diagnostic needs the update's own (KL-free) gradient: the engine computes it as a last row.
         return torch.cat([r_k, r[None]]) if mode == "cosines" else r_k
 
-    def timestep(self, model, transformer, forward, engine, plan_mode, settings, r_k, scale, last):
+    def timestep(self, model, transformer, forward, engine, plan_mode, settings, r_k, scale, last, weights=None):
         if engine is not None:
             with engine.capture(transformer):
                 _, terms_k, _ = forward(transformer)
                 weight = engine_scale(settings, scale, terms_k.loss_pos.shape[0])
-                engine.accumulate(terms_k.loss_pos, terms_k.loss_neg, r_k, scale=weight)
+                engine.accumulate(terms_k.loss_pos, terms_k.loss_neg, r_k, scale=weight, weights=weights)
             del terms_k
-        return self._ordinary(model, forward, scale, last)
+        return self.ordinary(model, forward, scale, last)
 
     def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
         self.average_buffers(buffers)  # DeepSpeed has reduced (and applied) the update's gradient itself
@@ -203,10 +206,12 @@ def micro_batch_loss(
     """The NFT loss of one micro-batch, back-propagated timestep by timestep (``scale``: ``1 / (T x GA)``)."""
     x0 = batch.x0.to(device)
     r = advantage_to_r(batch.advantages.to(device), settings.adv_clip_max)
-    r_k = None
+    r_k = weights = None
     if engine is not None:
         r_k = advantage_to_r(batch.per_reward_advantages.to(device), settings.adv_clip_max)
         r_k = backend.per_reward_r(r_k, r, batch.plan.mode)
+        if settings.masked_solve and batch.plan.mode == "refresh":
+            weights = masked_weights(batch.applicable.to(device))
     reported = None
     if batch.reported is not None:
         reported = (advantage_to_r(batch.reported[0].to(device), settings.adv_clip_max), batch.reported[1])
@@ -217,7 +222,7 @@ def micro_batch_loss(
         inputs = timestep_inputs(batch, j, x0, sigmas, noise_generator, transformer, predict, settings, autocast)
         forward = policy_forward(inputs, x0, batch, r, predict, settings, autocast)
         v_theta, terms, loss = backend.timestep(
-            model, transformer, forward, engine, batch.plan.mode, settings, r_k, scale, j == num_train - 1
+            model, transformer, forward, engine, batch.plan.mode, settings, r_k, scale, j == num_train - 1, weights
         )
         if reported is not None:  # the loss of the step as planned (a solved-first refresh), for the log
             with torch.no_grad():
@@ -259,15 +264,22 @@ def timestep_inputs(batch, j, x0, sigmas, noise_generator, transformer, predict,
     return TimestepInputs(x_t, t, v_old, v_ref)
 
 
-def policy_forward(inputs: TimestepInputs, x0, batch, r, predict, settings: LossSettings, autocast) -> Callable:
+def policy_forward(
+    inputs: TimestepInputs, x0, batch, r, predict, settings: LossSettings, autocast, weights=None
+) -> Callable:
     """``forward(module) -> (v_theta, terms, loss)``: the policy's forward on ``inputs`` and the step's NFT loss (its
-    policy term scaled by the plan's ``policy_scale``)."""
+    policy term scaled by the plan's ``policy_scale``), or, with per-sample ``weights`` ``(on L_pos, on L_neg)`` (or
+    the micro-batch's ``loss_weights``), :func:`~marble_trl.nft.nft_weighted_loss` (a masked solve's update)."""
+    weights = weights if weights is not None else batch.loss_weights
 
     def forward(module):
         with autocast():
             v_theta = predict(module, inputs.x_t, inputs.t, batch.embeds).float()
         terms = nft_loss_terms(v_theta, inputs.v_old, inputs.x_t, x0, inputs.t, settings.nft_beta, inputs.v_ref)
-        loss = nft_loss(terms, r, settings.nft_beta, settings.adv_clip_max, settings.beta, batch.plan.policy_scale)
+        if weights is not None:
+            loss = nft_weighted_loss(terms, *weights, settings.nft_beta, settings.adv_clip_max, settings.beta)
+        else:
+            loss = nft_loss(terms, r, settings.nft_beta, settings.adv_clip_max, settings.beta, batch.plan.policy_scale)
         return v_theta, terms, loss
 
     return forward

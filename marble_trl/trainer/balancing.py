@@ -1,20 +1,23 @@
 """The trainer's gradient-space balancing around the timestep loop: the per-reward gradient engine, MARBLE's refreshes
-(exact at the step's end, or solved first: :mod:`.solve_first`) and the cosine diagnostics; mixed into
-:class:`~marble_trl.MarbleDiffusionNFTTrainer`."""
+(exact at the step's end, or solved first: :mod:`.solve_first`), the released MARBLE's pairs (:mod:`.pairwise`) and
+the cosine diagnostics; mixed into :class:`~marble_trl.MarbleDiffusionNFTTrainer`."""
 
 from __future__ import annotations
 
 import time
 
+import torch
+
 from .backward import finish_engine_step, per_reward_engine
-from .metrics import cosine_metrics, marble_metrics
+from .metrics import cosine_metrics, marble_metrics, pair_metrics
+from .pairwise import pairwise_micro_batch_loss
 from .solve_first import solve_first_refresh
 from .step import MicroBatch, StepPlan
 
 
 class BalancingHooks:
     """``_engine_for`` / ``_finish_engine_step`` around a micro-batch's loss, ``_solve_first`` before the step's first
-    one, ``_undo_refresh_if_skipped`` after the optimizer step."""
+    one, ``_pairwise_step`` (a released-MARBLE micro-batch), ``_undo_refresh_if_skipped`` after the optimizer step."""
 
     @property
     def _update_cosines_this_step(self) -> bool:
@@ -85,6 +88,44 @@ class BalancingHooks:
                 cosine_metrics(result.cosines, result.cosine_stats, self.reward_names, plan.has_signal)
             )
         self._metrics["time/balancer"].append(time.perf_counter() - start)
+
+    def _pairwise_step(self, model, batch: MicroBatch, start: float) -> torch.Tensor:
+        """A micro-batch of the released MARBLE (``marble_procedure="released"``: :mod:`.pairwise`)."""
+        if batch.index == 0:
+            self._balancer_before_refresh = self.balancer.state_dict()  # a skipped step must not move alpha_bar
+        num_train = batch.timestep_index.shape[1]
+        scale = 1.0 / (num_train * self.current_gradient_accumulation_steps)
+
+        def engine():
+            self._gradient_engine = per_reward_engine(
+                self._gradient_engine, batch, self.args.marble_gradient_engine, self.trainable_parameters,
+                len(self.reward_funcs), False, self.transformer,
+            )  # fmt: skip
+            return self._gradient_engine
+
+        result = pairwise_micro_batch_loss(
+            batch,
+            step=self.state.global_step,
+            balancer=self.balancer,
+            engine=engine,
+            model=model,
+            transformer=self.transformer,
+            predict=self.model_adapter.predict,
+            sigmas=self.train_sigmas,
+            settings=self._loss_settings,
+            backend=self._backward,
+            noise_generator=self._generator(2, self._global_batch_index(batch.index)),
+            autocast=self._autocast,
+            scale=scale,
+            device=self.accelerator.device,
+        )
+        if result.skipped:
+            self.nonfinite_guard.flag(result.skipped)
+        self._observe(result, batch, num_train)
+        for row in pair_metrics(result, self.balancer, self.state.global_step, batch.last):
+            self._append_metrics(row)
+        self._step_timer["train"] += time.perf_counter() - start
+        return result.total * scale
 
     def _undo_refresh_if_skipped(self, skipped: bool) -> None:
         """A solved-first refresh moved the coefficients before the step's losses: a skipped step takes that back."""

@@ -86,7 +86,43 @@ def marble_metrics(info: RefreshInfo, names: list[str], num_refreshes: int) -> d
     metrics["marble/qp_time"] = float(info.qp_time_s)
     metrics["marble/qp_fallback"] = float(info.used_fallback)
     metrics["marble/refreshes"] = float(num_refreshes)
+    # The release's names for the same quantities (its pareto_fallback_used is this QP-fallback flag).
+    metrics["pareto_fallback_used"] = metrics["marble/qp_fallback"]
+    for k, name in enumerate(names):
+        metrics[f"pareto_alpha_{name}"] = metrics[f"marble/alpha/{name}"]
+        metrics[f"pareto_raw_grad_norm_{name}"] = metrics[f"marble/grad_norm/{name}"]
+        metrics[f"pareto_valid_{name}"] = float(info.active[k])
+    active = [n for n, on in zip(info.grad_norms, info.active) if on]
+    metrics["pareto_rescale_factor"] = sum(active) / len(active) if active else 0.0
     return metrics
+
+
+def pair_metrics(result, balancer, step: int, last: bool) -> list[dict[str, float]]:
+    """The released MARBLE's metrics of one micro-batch, one dict per pair (so each is averaged over the pairs that
+    log it, as the release does), under marble_trl's names and the release's own (``pareto_*``, ``amortized_step``,
+    ``alpha_staleness``; docs/metrics.md)."""
+    names = balancer.qp_names
+    rows: list[dict[str, float]] = []
+    for solve in result.solves:
+        row = {"amortized_step": 0.0, "marble/qp_time": float(solve.qp_time_s)}
+        fallback = float(solve.fallback != "none")
+        row["marble/qp_fallback"] = row["pareto_fallback_used"] = fallback
+        row["marble/rescale"] = row["pareto_rescale_factor"] = float(solve.rescale)
+        for g, name in enumerate(names):
+            row[f"marble/alpha/{name}"] = row[f"pareto_alpha_{name}"] = float(solve.alpha[g])
+            row[f"marble/grad_norm/{name}"] = row[f"pareto_raw_grad_norm_{name}"] = float(solve.grad_norms[g])
+            row[f"pareto_valid_{name}"] = float(solve.valid[g])
+        rows.append(row)
+    if result.amortised:
+        alpha_bar = balancer.alpha_bar
+        row = {"amortized_step": 1.0, "alpha_staleness": float(step - balancer.last_full)}
+        row |= {f"pareto_alpha_{n}": float(a) for n, a in zip(names, alpha_bar)}
+        rows.extend([row] * result.amortised)
+    if last and balancer.alpha_bar is not None:  # after the step
+        row = {f"marble/alpha_bar/{n}": float(a) for n, a in zip(names, balancer.alpha_bar)}
+        row["marble/refreshes"] = float(balancer.num_solves)  # solved pairs so far
+        rows.append(row)
+    return rows
 
 
 def cosine_metrics(cosines: list[float], stats: dict, names: list[str], has_signal: torch.Tensor) -> dict[str, float]:

@@ -97,14 +97,29 @@ def training_rewards(reward_funcs, args, columns) -> tuple[list[RewardFunc], lis
 
 
 def make_balancer(aggregation: str, args, reward_names: list[str]):
-    """The balancer of a gradient-space aggregation (``None`` for the advantage-space ones): MARBLE's min-norm QP, or
-    another weighting of ``balance.weightings`` as its solver; ``mgda`` is MARBLE's QP without EMA (rho 0)."""
-    from ..balance import MarbleBalancer
+    """The balancer of a gradient-space aggregation (``None`` for the advantage-space ones): MARBLE's min-norm QP (the
+    paper's procedure, or the released one: ``marble_procedure``), or another weighting of ``balance.weightings`` as
+    its solver; ``mgda`` is MARBLE's QP without EMA (rho 0)."""
+    from ..balance import MarbleBalancer, ReleasedMarble
     from ..balance.weightings import WEIGHTINGS, as_solver
     from ..config_checks import BALANCER_AGGREGATIONS
 
     if aggregation not in BALANCER_AGGREGATIONS:
         return None
+    if aggregation == "marble" and args.marble_procedure == "released":
+        return ReleasedMarble(
+            reward_names,
+            rho=args.marble_rho,
+            refresh_interval=args.marble_refresh_interval,
+            warmup_steps=args.marble_warmup_steps,
+            alpha_floor=args.marble_alpha_floor,
+            groups=args.marble_reward_groups,
+            mgda_weights=args.marble_mgda_weights,
+            normalize=args.marble_normalize_gradients,
+            dropout_targets=args.marble_reward_dropout_targets or (),
+            dropout_prob=args.marble_reward_dropout_prob,
+            dropout_warmup_steps=args.marble_reward_dropout_warmup_steps,
+        )
     extra = {} if aggregation in ("marble", "mgda") else {"solver": as_solver(WEIGHTINGS[aggregation]())}
     return MarbleBalancer(
         reward_names=reward_names,

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ..balance import GradientEngine, MarbleBalancer, RefreshInfo
-from ..nft import advantage_to_r
+from ..nft import advantage_to_r, masked_weights
 from .backward import LossSettings, Predict, engine_scale, policy_forward, timestep_inputs
 from .step import MicroBatch
 
@@ -77,6 +77,7 @@ def subset_gradients(
         x0 = batch.x0.to(device)
         r = advantage_to_r(batch.advantages.to(device), settings.adv_clip_max)
         r_k = advantage_to_r(batch.per_reward_advantages.to(device), settings.adv_clip_max)
+        masks = masked_weights(batch.applicable.to(device)) if settings.masked_solve else None
         # The per-pair sums of the whole step, had every pair been in the subset: norms comparable to exact ones.
         weight = engine_scale(settings, scale, batch.x0.shape[0]) * len(batches) * num_train / pairs
         generator = noise_generator(batch.index)
@@ -84,7 +85,7 @@ def subset_gradients(
             inputs = timestep_inputs(batch, j, x0, sigmas, generator, transformer, predict, settings, autocast)
             with engine.capture(transformer):
                 _, terms, _ = policy_forward(inputs, x0, batch, r, predict, settings, autocast)(transformer)
-                engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=weight)
+                engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=weight, weights=masks)
             del terms
     if world > 1:
         torch.distributed.all_reduce(engine.buffers)
@@ -111,9 +112,15 @@ def solve_first_refresh(
     w = torch.as_tensor(coeffs / total if total > 0 else coeffs)
     mode = "cosines" if log_update_cosines else "plain"
     new_plan = dataclasses.replace(plan, mode=mode, policy_scale=total)
+    settings = gradient_kwargs["settings"]
     for batch in batches:
         per_reward = batch.per_reward_advantages
         batch.reported = (batch.advantages, plan.policy_scale)
         batch.advantages = (w.to(per_reward)[:, None] * per_reward).sum(dim=0)
         batch.plan = new_plan
+        if settings.masked_solve:  # sum_k c_k g_k of masked losses: per-sample weights (nft_weighted_loss)
+            c = torch.as_tensor(coeffs, dtype=per_reward.dtype, device=per_reward.device)[:, None]
+            r_k = advantage_to_r(per_reward, settings.adv_clip_max)
+            weights = masked_weights(batch.applicable.to(per_reward.device))
+            batch.loss_weights = ((c * weights * r_k).sum(dim=0), (c * weights * (1 - r_k)).sum(dim=0))
     return SolveFirstResult(info, pairs)

@@ -16,10 +16,10 @@ from typing import Any, Literal
 import torch
 from accelerate.utils import gather, gather_object
 
-from ..balance import MarbleBalancer
+from ..balance import MarbleBalancer, ReleasedMarble
 from ..models import Conditioning
 
-StepMode = Literal["plain", "cosines", "refresh", "solve_first", "amortised"]
+StepMode = Literal["plain", "cosines", "refresh", "solve_first", "amortised", "pairwise"]
 
 
 def encode_prompts_and_negative(adapter, prompts: list[str], args, device) -> tuple[Conditioning, Conditioning | None]:
@@ -125,7 +125,9 @@ class StepPlan:
     - ``"solve_first"``: a MARBLE refresh whose per-reward gradients come first, from a subset of the step's
       (micro-batch, timestep) pairs or all of them (:mod:`.solve_first`), and whose Eq. 7 update is then one ordinary
       backward by Prop. 1; the step continues as ``"plain"`` (or ``"cosines"``) with the solved coefficients;
-    - ``"amortised"``: a MARBLE step between refreshes: ``A = sum_k (c_k / sum c) A_k`` (Prop. 1).
+    - ``"amortised"``: a MARBLE step between refreshes: ``A = sum_k (c_k / sum c) A_k`` (Prop. 1);
+    - ``"pairwise"``: the released MARBLE (``marble_procedure="released"``): each (micro-batch, timestep) pair is solved
+      or amortised on its own (:mod:`.pairwise`); ``advantages`` is unused.
     """
 
     mode: StepMode
@@ -142,7 +144,7 @@ class StepPlan:
 def plan_step(
     per_reward: torch.Tensor,
     combined: torch.Tensor,
-    balancer: MarbleBalancer | None,
+    balancer: MarbleBalancer | ReleasedMarble | None,
     step: int,
     *,
     log_update_cosines: bool,
@@ -157,6 +159,8 @@ def plan_step(
     has_signal = (per_reward != 0).any(dim=1)
     if balancer is None:
         return StepPlan("cosines" if log_update_cosines else "plain", combined, has_signal)
+    if isinstance(balancer, ReleasedMarble):  # each pair decides for itself (trainer/pairwise.py)
+        return StepPlan("pairwise", combined, has_signal)
     weights = balancer.plan(step, per_reward, adv_clip_max, has_signal)
     if weights.refresh:
         mode = "solve_first" if solve_first else "refresh"  # ("advantage" refreshes train on the pre-refresh c)
@@ -181,6 +185,10 @@ class MicroBatch:
     # A solved-first refresh trains on re-planned advantages; its logged loss stays that of the step as planned
     # (advantages, policy_scale), as on every back-end (docs/metrics.md, `loss`). None: the trained one.
     reported: tuple[torch.Tensor, float] | None = None
+    applicable: torch.Tensor | None = None  # [K, B] bool: where each reward applies (its reward is not None)
+    # A masked solve's phase-2 update (solve_first with marble_masked_solve): per-sample weights (on L_pos, on L_neg)
+    # of the policy term instead of the advantages (nft.nft_weighted_loss).
+    loss_weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __contains__(self, key: str) -> bool:  # transformers probes inputs for "input_ids" (token and FLOP counts)
         return key in {f.name for f in fields(self)}
@@ -198,11 +206,14 @@ def make_micro_batches(
     num_train: int,
     generator: Callable[[int], torch.Generator],
     device: torch.device,
+    applicable: torch.Tensor | None = None,
 ) -> list[MicroBatch]:
     """This process's ``count`` micro-batches of ``micro`` samples; ``generator(m)`` seeds micro-batch ``m``'s choice of training timesteps (a random
     ``num_train`` of the ``num_sigmas`` for each sample)."""
     combined = plan.advantages[local_positions]
     per_reward = per_reward[:, local_positions]
+    if applicable is not None:  # [K, N_global] -> this process's samples
+        applicable = applicable[:, local_positions]
     out = []
     for m in range(count):
         sl = slice(m * micro, (m + 1) * micro)
@@ -218,6 +229,7 @@ def make_micro_batches(
                 index=m,
                 last=m == count - 1,
                 plan=plan,
+                applicable=None if applicable is None else applicable[:, sl].to(device),
             )
         )
     return out

@@ -49,6 +49,7 @@ from transformers import TrainerCallback, set_seed
 
 from .._trl import BaseTrainer
 from ..advantages import collate_advantages
+from ..balance import MarbleBalancer
 from ..best import RewardHackingCallback
 from ..checkpoint import SamplerEpochCallback
 from ..console import order_logs
@@ -224,7 +225,9 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             DeepSpeedBackward if self.is_deepspeed_enabled else FSDPBackward if self.is_fsdp_enabled else PlainBackward
         )
         self._backward = backend(self.accelerator)
-        self._loss_settings = LossSettings(args.nft_beta, args.beta, args.adv_clip_max, args.marble_refresh_update)
+        self._loss_settings = LossSettings(
+            args.nft_beta, args.beta, args.adv_clip_max, args.marble_refresh_update, args.marble_masked_solve
+        )
         self.param_ema = LoraEMA(transformer) if args.param_ema else None
         self.old_policy = OldPolicy()
         self.balancer = make_balancer(self.aggregation, args, self.reward_names)  # MARBLE's, or another weighting
@@ -349,7 +352,8 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         self._metrics["time/rollout"].append(rollout_time)
         self._metrics["time/reward"].append(reward_time)
 
-        if self.balancer is not None and self.balancer.uniform_final_steps and self.balancer.max_steps is None:
+        paper = isinstance(self.balancer, MarbleBalancer)
+        if paper and self.balancer.uniform_final_steps and self.balancer.max_steps is None:
             self.balancer.max_steps = self.state.max_steps
         plan = plan_step(
             adv.per_reward,
@@ -361,7 +365,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             solve_first=args.marble_refresh_update == "gradient"
             and (args.marble_refresh_subset > 0 or self.is_deepspeed_enabled),
         )
-        if self.balancer is not None:
+        if paper:
             self._metrics["marble/clamp_violations"].append(float(self.balancer.num_clamp_violations))
         self._step_batches = make_micro_batches(  # a solved-first refresh re-plans them all
             x0_all,
@@ -375,6 +379,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             num_train_timesteps(len(self.train_sigmas), args.timestep_fraction),
             lambda m: self._generator(1, self._global_batch_index(m)),
             device,
+            applicable=~torch.isnan(gathered_rewards.rewards),
         )
         return self._step_batches
 
@@ -400,6 +405,8 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         start = time.perf_counter()
         model.train()
         batch = inputs
+        if batch.plan.mode == "pairwise":
+            return self._pairwise_step(model, batch, start)
         if batch.plan.mode == "solve_first":
             self._solve_first(batch)
         engine = self._engine_for(batch)
@@ -419,6 +426,17 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             scale=scale,
             device=self.accelerator.device,
         )
+        self._observe(result, batch, num_train)
+        r = advantage_to_r(batch.advantages, self.args.adv_clip_max)
+        self._metrics["nft/r_mean"].append(r.mean().item())
+        self._metrics["nft/r_clamped_frac"].append(((r <= 0) | (r >= 1)).float().mean().item())
+        if engine is not None and batch.last:
+            self._finish_engine_step(engine, batch.plan)
+        self._step_timer["train"] += time.perf_counter() - start
+        return result.total * scale
+
+    def _observe(self, result, batch: MicroBatch, num_train: int) -> None:
+        """The micro-batch's loss to the non-finite guard, its per-timestep sums to the metrics."""
         total = result.total
         if not torch.isfinite(total).item():
             self.nonfinite_guard.flag(f"the NFT loss of micro-batch {batch.index} is {total.item()}")
@@ -426,13 +444,6 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             self.nonfinite_guard.observe_loss(total.item() / num_train)
         for key, value in result.sums.items():
             self._metrics[key].append(value.item() / num_train)
-        r = advantage_to_r(batch.advantages, self.args.adv_clip_max)
-        self._metrics["nft/r_mean"].append(r.mean().item())
-        self._metrics["nft/r_clamped_frac"].append(((r <= 0) | (r >= 1)).float().mean().item())
-        if engine is not None and batch.last:
-            self._finish_engine_step(engine, batch.plan)
-        self._step_timer["train"] += time.perf_counter() - start
-        return total * scale
 
     def _after_optimizer_step(self) -> None:
         step = self.state.global_step  # optimizer steps completed before this one
@@ -447,7 +458,8 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             self.old_policy.update(self.transformer, eta)
             self._metrics["old_policy/decay"].append(eta)
         if self.param_ema is not None:
-            self.param_ema.update(self.transformer, param_ema_decay(step, self.args.param_ema_max_decay))
+            s = step + self.args.param_ema_first_step
+            self.param_ema.update(self.transformer, param_ema_decay(s, self.args.param_ema_max_decay))
         self._metrics["time/train"].append(self._step_timer.pop("train", 0.0))
 
     # ------------------------------------------------------------------ logging and saving
