@@ -127,7 +127,8 @@ def evaluate(trainer: Any, budget: Budget, use_lora: bool = True, batch: int = 1
     means, sems = {}, {}
     for name, values in scores.items():
         means[name], sems[name], _ = mean_sem(values)
-    return {"scores": means, "sems": sems, "num_images": len(prompts), "images": images}
+    per_image = {name: [None if v is None else round(float(v), 6) for v in values] for name, values in scores.items()}
+    return {"scores": means, "sems": sems, "num_images": len(prompts), "images": images, "per_image": per_image}
 
 
 def run_one(method: Method, seed: int, budget: Budget, model: str, out_dir: Path) -> dict[str, Any]:
@@ -163,6 +164,9 @@ def run_one(method: Method, seed: int, budget: Budget, model: str, out_dir: Path
         "eval_sem": ev["sems"],
         "base_eval": base["scores"] if base else None,
         "base_eval_sem": base["sems"] if base else None,
+        # every held-out image's score (None: not applicable), in eval_images order: paired image-level analyses
+        "eval_per_image": ev["per_image"],
+        "base_eval_per_image": base["per_image"] if base else None,
         "family": method.family,
         "log_history": trainer.state.log_history,
         "step_times": timer.step_times(),

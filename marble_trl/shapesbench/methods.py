@@ -11,6 +11,8 @@ rewards are combined differs:
   vector; the weighted-sum collator then trains on that reward alone);
 - ``marble``: MARBLE, N = 10, rho = 0.7 (the paper's setting);
 - ``marble_every_step``: MARBLE solving the QP at every step (N = 1);
+- ``marble_released``: MARBLE as the authors' code runs it (``marble_procedure="released"``: per-pair solves, masked
+  per-reward gradients, N = 10); ``marble_masked``: the paper's procedure with the release's masked solve;
 - ``fixed_uniform``: MARBLE with the QP replaced by fixed uniform coefficients (normalised gradients averaged with
   ``alpha = 1/K`` at refreshes, ``A_bar = mean_k A_k`` in between): the paper's "fixed uniform alpha" ablation;
 - ``marble_norm_aware``, ``marble_estimated``, ``marble_every_step_estimated`` (``_s3``): MARBLE with norm-aware
@@ -91,6 +93,10 @@ def all_methods(rewards: tuple[str, ...] = tuple(REWARD_NAMES)) -> dict[str, Met
         # The same training as marble without the amortised steps' cosine diagnostics: its cost in Table 2.
         Method("marble_plain", rewards, marble, timing_only=True, seed0_only=True),
         Method("marble_every_step", rewards, {"multi_objective_aggregation": "marble", "marble_refresh_interval": 1}),
+        # The authors' released procedure (per-pair solves, masked, alpha_bar from the first alpha*; no cosine
+        # diagnostic: its pairs are solved or amortised one by one), and the paper's with the release's masked solve.
+        Method("marble_released", rewards, {**marble, "marble_procedure": "released"}),
+        Method("marble_masked", rewards, {**marble, "marble_masked_solve": True, "log_update_cosines": True}),
         Method("fixed_uniform", rewards, {**marble, "log_update_cosines": True}, uniform_solver=True),
         # Beyond the paper (docs/marble.md): norm-aware amortised steps, and refreshes estimated from 1 of the
         # step's 5 (micro-batch, timestep) pairs (N = 10, and N = 1: harmony on every step at a fraction of the cost).
