@@ -12,6 +12,11 @@ measured after ``--warmup`` steps over a window that is a multiple of 10 steps (
 
 Peak memory: ``torch.cuda.max_memory_allocated`` on CUDA, else the process's peak RSS (``ru_maxrss``), which on CPU
 includes the Python interpreter and libraries (a ratio close to 1 then understates a real difference).
+
+Besides the ratios it prints, per configuration, the spread of the per-round ratios (min-max), the transformer calls
+of the timed window (with and without gradients: rollouts, old-policy and reference forwards are gradient-free) and
+the whole run's wall time; it warns when the rounds disagree by more than ``--spread-warning`` (a busy machine: the
+ratio then says little) or when two configurations that should cost alike differ in calls.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ import resource
 import statistics
 import subprocess
 import sys
+import time
+
+from transformers import TrainerCallback
 
 CONFIGS = {
     "weighted_sum": {"multi_objective_aggregation": "sum_then_normalize"},
@@ -35,6 +43,12 @@ CONFIGS = {
     },
     "marble_n10_estimated": {"multi_objective_aggregation": "marble", "marble_refresh_interval": 10, "subset": True},
     "marble_n1_estimated": {"multi_objective_aggregation": "marble", "marble_refresh_interval": 1, "subset": True},
+    # the authors' released procedure: a refresh is one (micro-batch, timestep) pair (docs/marble.md)
+    "marble_released": {
+        "multi_objective_aggregation": "marble",
+        "marble_refresh_interval": 10,
+        "marble_procedure": "released",
+    },
 }
 REWARDS = ["brightness", "contrast", "saturation", "jpeg_compressibility", "darkness"]
 
@@ -81,9 +95,13 @@ def worker(args: argparse.Namespace) -> None:
     trainer = MarbleDiffusionNFTTrainer(
         model, REWARDS[: args.num_rewards], args=config, train_dataset=load_prompt_dataset(), callbacks=[timer]
     )
+    calls = CallCounter(trainer, args.warmup)
+    trainer.add_callback(calls)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
     trainer.train()
+    run_time = time.perf_counter() - start
     step_time = statistics.fmean(timer.step_times()[args.warmup :])
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated() / 2**30
@@ -91,10 +109,70 @@ def worker(args: argparse.Namespace) -> None:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         unit = "GiB (peak RSS)"
-    refreshes = trainer.balancer.num_refreshes if trainer.balancer is not None else 0
-    print(
-        json.dumps({"config": args.worker, "step_time": step_time, "peak": peak, "unit": unit, "refreshes": refreshes})
-    )
+    balancer = trainer.balancer
+    refreshes = getattr(balancer, "num_refreshes", getattr(balancer, "num_solves", 0)) if balancer is not None else 0
+    record = {"config": args.worker, "step_time": step_time, "peak": peak, "unit": unit, "refreshes": refreshes}
+    record |= {"grad_calls": calls.counts[True], "no_grad_calls": calls.counts[False], "run_time": run_time}
+    print(json.dumps(record))
+
+
+class CallCounter(TrainerCallback):
+    """Counts the transformer's forward calls after ``warmup`` optimizer steps, with and without gradients (the hook
+    is installed once training begins, on the unwrapped transformer)."""
+
+    def __init__(self, trainer, warmup: int) -> None:
+        self.trainer, self.warmup, self.counts = trainer, warmup, {True: 0, False: 0}
+        self.active = warmup == 0
+
+    def on_train_begin(self, *args, **kwargs):
+        import torch
+
+        def hook(module, inputs):
+            if self.active:
+                self.counts[torch.is_grad_enabled()] += 1
+
+        self.trainer.transformer.register_forward_pre_hook(hook)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.active = state.global_step >= self.warmup
+
+
+def summarise(results: dict[str, list[dict]], spread_warning: float) -> tuple[list[dict], list[str]]:
+    """Per configuration: the median ratios against ``weighted_sum`` over rounds (each within its round), their
+    spread, the call counts; and the warnings (rounds that disagree, equal-call configurations timed apart)."""
+    base = results["weighted_sum"]
+    rows, warnings = [], []
+    for name, runs in results.items():
+        ratios = [b["step_time"] / x["step_time"] for b, x in zip(base, runs)]
+        row = {
+            "config": name,
+            "step_time": statistics.median(x["step_time"] for x in runs),
+            "speed": statistics.median(ratios),
+            "speed_min": min(ratios),
+            "speed_max": max(ratios),
+            "memory": statistics.median(x["peak"] / b["peak"] for b, x in zip(base, runs)),
+            "peak": runs[0]["peak"],
+            "unit": runs[0]["unit"],
+            "grad_calls": runs[0].get("grad_calls"),
+            "no_grad_calls": runs[0].get("no_grad_calls"),
+            "run_time": statistics.median(x.get("run_time", float("nan")) for x in runs),
+        }
+        rows.append(row)
+        if len(ratios) > 1 and (row["speed_max"] - row["speed_min"]) > spread_warning * row["speed"]:
+            warnings.append(
+                f"{name}: the rounds disagree (throughput ratio {row['speed_min']:.3f}-{row['speed_max']:.3f}x): the "
+                "machine was busy or noisy; rerun on an idle machine before quoting the ratio."
+            )
+    same = [
+        r for r in rows if (r["grad_calls"], r["no_grad_calls"]) == (rows[0]["grad_calls"], rows[0]["no_grad_calls"])
+    ]
+    for r in same[1:]:
+        if abs(r["speed"] - 1.0) > spread_warning:
+            warnings.append(
+                f"{r['config']}: the same transformer calls as weighted_sum ({r['grad_calls']} + {r['no_grad_calls']}) "
+                f"but timed at {r['speed']:.3f}x: the difference is the machine's, not the method's."
+            )
+    return rows, warnings
 
 
 def main() -> None:
@@ -118,6 +196,9 @@ def main() -> None:
     parser.add_argument("--beta", type=float, default=1e-4, help="KL weight (0 drops the KL stream of refreshes)")
     parser.add_argument("--subset", type=int, default=1, help="marble_refresh_subset of the *_estimated configs")
     parser.add_argument(
+        "--spread-warning", type=float, default=0.05, help="warn when a ratio's rounds spread more than this fraction"
+    )
+    parser.add_argument(
         "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="weighted_sum is always run"
     )
     args = parser.parse_args()
@@ -139,19 +220,23 @@ def main() -> None:
             results[name].append(json.loads(line))
             print(f"round {r + 1}/{args.rounds} {name}: {results[name][-1]}", flush=True)
 
-    base = results["weighted_sum"]
+    rows, warnings = summarise(results, args.spread_warning)
     print(
         f"\nK={args.num_rewards} rewards, {args.rounds} rounds, timed steps {args.steps} after {args.warmup} warm-up"
     )
-    print(f"{'config':>22} | step time (median) | throughput vs weighted sum | peak memory vs weighted sum")
-    print("-" * 92)
-    for name, runs in results.items():
-        speed = statistics.median(b["step_time"] / x["step_time"] for b, x in zip(base, runs))
-        mem = statistics.median(x["peak"] / b["peak"] for b, x in zip(base, runs))
-        step = statistics.median(x["step_time"] for x in runs)
+    print(
+        f"{'config':>22} | step time (median) | throughput vs weighted sum (min-max over rounds) | peak memory vs "
+        "weighted sum | transformer calls (grad + no grad) | whole run"
+    )
+    print("-" * 150)
+    for r in rows:
         print(
-            f"{name:>22} | {step * 1000:14.1f} ms | {speed:25.3f}x | {mem:.3f}x ({runs[0]['peak']:.2f} {runs[0]['unit']})"
+            f"{r['config']:>22} | {r['step_time'] * 1000:14.1f} ms | {r['speed']:.3f}x ({r['speed_min']:.3f}-"
+            f"{r['speed_max']:.3f}) | {r['memory']:.3f}x ({r['peak']:.2f} {r['unit']}) | {r['grad_calls']} + "
+            f"{r['no_grad_calls']} | {r['run_time']:.1f} s"
         )
+    for warning in warnings:
+        print(f"WARNING: {warning}")
 
 
 if __name__ == "__main__":
