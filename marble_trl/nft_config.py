@@ -61,8 +61,10 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     ddp_find_unused_parameters: bool | None = field(
         default=False,
         metadata={
-            "help": "DDP's find_unused_parameters. Every trainable LoRA parameter gets a gradient each backward, so "
-            "the default is False (the same losses, no per-rank warning, no extra graph traversal)."
+            "help": "DDP's find_unused_parameters. Every trainable LoRA parameter normally gets a gradient each "
+            "backward, so the default is False (the same losses, no per-rank warning, no extra graph traversal). A "
+            "multi-process DDP run first probes which LoRA tensors reach the output and turns it on, with a warning, "
+            "when some cannot (e.g. a LoRA on Qwen-Image's last block's text-stream output, which it discards)."
         },
     )
     bf16: bool | None = field(

@@ -3,6 +3,9 @@ the aggregation, the evaluation rewards and the prompt sources' ratios. Each che
 
 from __future__ import annotations
 
+import copy
+import logging
+
 from typing import Any
 
 import torch
@@ -10,6 +13,8 @@ import torch
 from ..data import GroupSampler, check_prompt_dataset
 from ..rewards import RewardFunc, check_reward_funcs, resolve_reward_funcs, reward_name
 from ..sources import SOURCE_COLUMN
+
+logger = logging.getLogger(__name__)
 
 FROZEN_COMPONENTS = ("vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -213,3 +218,41 @@ def group_sampler(dataset, args) -> GroupSampler:
         sources=sources,
         ratios=ratios,
     )
+
+
+def unreached_trainable(adapter, transformer: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> list[str]:
+    """The trainable parameters no forward of the transformer reaches (DDP then stalls: it waits for their gradients).
+
+    One probe forward at the smallest resolution with an empty prompt; a parameter whose gradient is not even
+    computed never influences the output, whatever the inputs (e.g. a LoRA on Qwen-Image's last block's text-stream
+    projections, whose output the model discards)."""
+    device = next(transformer.parameters()).device
+    with torch.no_grad():
+        cond = adapter.encode([""], 8, device)
+        side = adapter.latent_factor * 2
+        scheduler = copy.deepcopy(adapter.pipeline.scheduler)
+        x = adapter.sample(scheduler, cond, 1, side, torch.Generator().manual_seed(0))
+    with torch.enable_grad():
+        sigma = torch.full((x.shape[0],), 0.5, device=x.device)
+        out = adapter.predict(transformer, x.to(device), sigma, cond)
+        grads = torch.autograd.grad(out.float().sum(), list(params.values()), allow_unused=True)
+    return [name for name, g in zip(params, grads) if g is None]
+
+
+def check_unreached_parameters(args, adapter, transformer: torch.nn.Module) -> None:
+    """Multi-process DDP only: trainable tensors that never reach the output would stall DDP (it waits for their
+    gradients); with some, DDP runs with ``find_unused_parameters=True`` and a warning names them."""
+    if args.world_size <= 1 or args.ddp_find_unused_parameters:
+        return
+    from ..lora import TRAIN_ADAPTER, lora_parameters
+
+    unreached = unreached_trainable(adapter, transformer, lora_parameters(transformer, TRAIN_ADAPTER))
+    if unreached:
+        logger.warning(
+            "%d trainable LoRA tensors never reach the transformer's output (%s, ...): they cannot train, and DDP "
+            "would wait for their gradients. Running DDP with find_unused_parameters=True; drop those modules from "
+            "lora_target_modules to avoid its per-step graph traversal.",
+            len(unreached),
+            unreached[0],
+        )
+        args.ddp_find_unused_parameters = True

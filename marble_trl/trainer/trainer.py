@@ -89,6 +89,7 @@ from .setup import (
     group_sampler,
     lora_config,
     make_balancer,
+    check_unreached_parameters,
     resolve_aggregation,
     training_rewards,
 )
@@ -179,6 +180,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
 
         self.peft_config = peft_config = lora_config(args, peft_config, self.model_adapter.default_lora_targets)
         add_policy_adapters(transformer, peft_config)
+        check_unreached_parameters(args, self.model_adapter, transformer)  # DDP waits for every gradient
         # diffusers models have `enable_gradient_checkpointing`; Trainer calls `activation_checkpointing_enable`.
         transformer.activation_checkpointing_enable = lambda **_: transformer.enable_gradient_checkpointing()
         adapt_model_config(transformer)  # report_to callbacks read model.config as a transformers config
