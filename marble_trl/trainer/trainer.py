@@ -82,6 +82,7 @@ from .persistence import PersistenceHooks
 from .setup import (
     check_inputs,
     check_resolution,
+    check_unreached_parameters,
     eval_datasets,
     eval_rewards,
     family_rewards,
@@ -89,7 +90,6 @@ from .setup import (
     group_sampler,
     lora_config,
     make_balancer,
-    check_unreached_parameters,
     resolve_aggregation,
     training_rewards,
 )
