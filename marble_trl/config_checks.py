@@ -85,6 +85,10 @@ def check_fields(self) -> None:
         self.torch_num_threads is None or self.torch_num_threads >= 1,
         f"torch_num_threads must be >= 1 or unset (torch's default), got {self.torch_num_threads}.",
     )
+    need(
+        self.console_format in ("compact", "full"),
+        f"console_format must be 'compact' or 'full', got {self.console_format!r}.",
+    )
     need(self.max_nonfinite_skips >= 0, f"max_nonfinite_skips must be >= 0, got {self.max_nonfinite_skips}.")
     need(
         self.old_policy_update_interval >= 1,

@@ -196,6 +196,15 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         },
     )
 
+    console_format: str = field(
+        default="compact",
+        metadata={
+            "help": "What the console prints per log: 'compact' (one line: step, loss, each reward's mean, MARBLE's "
+            "alpha_bar, time per step, ETA; under the progress bar) or 'full' (transformers' whole dict). Trackers "
+            "and metrics.jsonl always get every metric."
+        },
+    )
+
     # --- faults and resume ---
     max_nonfinite_skips: int = field(
         default=3,

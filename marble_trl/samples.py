@@ -131,21 +131,41 @@ def score_items(scores: Scores | None) -> list[str]:
     return [f"{name} {format_score(value)}" for name, value in (scores or {}).items()]
 
 
+def short_names(names: Sequence[str]) -> list[str]:
+    """Reward names without the prefix they all share up to an underscore (``shapes_preference``, ``shapes_count``
+    -> ``preference``, ``count``); unchanged for one name or none shared."""
+    names = list(names)
+    if len(names) < 2:
+        return names
+    prefix = os.path.commonprefix(names)
+    prefix = prefix[: prefix.rfind("_") + 1]
+    return [n[len(prefix) :] or n for n in names] if prefix else names
+
+
 def score_lines(scores: Scores | None, width: float, font) -> list[str]:
-    """The scores packed into lines of at most ``width`` pixels, joined by `` · `` (a reward name too long for a
-    line is cut, its value kept)."""
+    """The scores packed into lines of at most ``width`` pixels, joined by `` · ``, names shortened by
+    :func:`short_names`; a name too long for a line is broken over lines at its underscores (never cut), the value
+    after it."""
     sep = " · " if _unicode_ok(font) else " | "
     lines: list[str] = []
     current = ""
-    for name, value in (scores or {}).items():
-        number = " " + format_score(value)
-        item = truncate(_clean(name, font), max(0.0, width - text_width(number, font)), font) + number
+    scores = scores or {}
+    for name, value in zip(short_names(list(scores)), scores.values()):
+        item = f"{_clean(name, font)} {format_score(value)}"
         candidate = f"{current}{sep}{item}" if current else item
-        if current and text_width(candidate, font) > width:
-            lines.append(current)
-            current = item
-        else:
+        if text_width(candidate, font) <= width:
             current = candidate
+            continue
+        if current:
+            lines.append(current)
+        current = item
+        while text_width(current, font) > width and "_" in current:  # too long alone: break at underscores
+            parts = current.split("_")
+            head, k = parts[0], 1
+            while k < len(parts) - 1 and text_width(f"{head}_{parts[k]}_", font) <= width:
+                head, k = f"{head}_{parts[k]}", k + 1
+            lines.append(head + "_")
+            current = "_".join(parts[k:])
     if current:
         lines.append(current)
     return lines

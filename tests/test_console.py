@@ -115,3 +115,46 @@ def test_marble_trl_train_prints_one_summary_line_per_reward(tmp_path, capsys):
         assert re.search(
             rf"^\[marble-trl\] rewards/{name}/mean: \S+ \(step 1\) -> \S+ \(step 2\), [+-]", printed, re.M
         )
+
+
+def test_compact_line_shows_step_loss_rewards_alpha_bar_rate_and_eta():
+    from marble_trl.console import compact_line
+
+    logs = {
+        "loss": 58.271, "reward": 1.1, "rewards/pickscore/mean": 0.41483, "rewards/ocr/mean": 0.6146,
+        "grad_norm": 0.1, "marble/alpha_bar/pickscore": 0.4512, "marble/alpha_bar/ocr": 0.5488, "time/train": 1.2,
+    }  # fmt: skip
+    line = compact_line(logs, 10, 28, 1.6)
+    assert (
+        line
+        == "step 10/28 | loss 58.27 | pickscore 0.4148, ocr 0.6146 | alpha_bar 0.45 0.55 | 1.6 s/step | ETA 0:00:29"
+    )
+    assert len(line) < 120  # one console line, not the 1,400-character dict
+    evaluation = compact_line({"eval_rewards/a/mean": 0.5, "eval_composite": 0.12, "eval_runtime": 3.0}, 10, 28, None)
+    assert evaluation == "eval at step 10 | composite 0.12 | a 0.5"
+    assert compact_line({"train_runtime": 75.4, "train_loss": 4.97}, 28, 28, None) == (
+        "step 28/28 | done in 0:01:15 | train_loss 4.97"
+    )
+
+
+def test_console_prints_compact_lines_and_trackers_keep_every_metric(tmp_path, capsys):
+    args = MarbleDiffusionNFTConfig(
+        output_dir=str(tmp_path), report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1,
+        max_steps=2, per_device_train_batch_size=4, num_generations=2, prompts_per_step=2, resolution=16,
+        num_sample_steps=2, sample_scheduler="euler", max_sequence_length=8, lora_r=2, lora_alpha=4, use_cpu=True,
+    )  # fmt: skip
+    trainer = MarbleDiffusionNFTTrainer("tiny", [contrast, brightness], args=args, train_dataset=TRAIN)
+    trainer.train()
+    printed = capsys.readouterr().out
+    lines = [ln for ln in printed.splitlines() if ln.startswith("step ")]
+    assert re.match(
+        r"^step 1/2 \| loss \S+ \| contrast \S+, brightness \S+ \| alpha_bar \S+ \S+ \| \S+ s/step", lines[0]
+    )
+    assert "ETA" in lines[0] and "done in" in lines[-1]
+    assert "'grad_norm'" not in printed  # no dict
+    entry = next(e for e in trainer.state.log_history if "loss" in e)
+    assert "grad_norm" in entry and "nft/loss_pos" in entry  # the full dict for trackers and metrics.jsonl
+    args.console_format = "full"
+    full = MarbleDiffusionNFTTrainer("tiny", [contrast, brightness], args=args, train_dataset=TRAIN)
+    full.train()
+    assert "'grad_norm'" in capsys.readouterr().out

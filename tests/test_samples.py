@@ -53,8 +53,14 @@ def test_score_lines_pack_scores_and_mark_missing_ones():
     assert score_lines({"brightness": 0.4712, "jpeg": -1.5634}, 200, font) == ["brightness 0.471 · jpeg -1.56"]
     narrow = score_lines({"brightness": 0.4712, "jpeg": -1.5634, "ocr": None}, 90, font)
     assert narrow[0] == "brightness 0.471" and narrow[-1].endswith("ocr n/a")
-    cut = score_lines({"a_very_long_reward_name_indeed": 12.345}, 90, font)
-    assert len(cut) == 1 and cut[0].endswith("… 12.3") and text_width(cut[0], font) <= 90
+    long = score_lines({"a_very_long_reward_name_indeed": 12.345}, 90, font)
+    assert "".join(long) == "a_very_long_reward_name_indeed 12.3"  # broken at underscores, never cut
+    assert len(long) > 1 and all(text_width(line, font) <= 90 for line in long)
+    # the shared prefix of the names goes (ShapesBench's "shapes_preference" was drawn "shapes_prefere...")
+    shapes = {"shapes_preference": 0.41, "shapes_alignment": 0.63, "shapes_count": 0.62}
+    lines = score_lines(shapes, 128 - 8, font)  # a 32 px image's cell in the before/after sheet
+    assert " ".join(lines).split(" · ")[0].startswith("preference 0.41") and "shapes_" not in "".join(lines)
+    assert all(text_width(line, font) <= 120 for line in lines)
 
 
 def test_captioned_grid_upscales_small_images_and_draws_prompts_and_scores():

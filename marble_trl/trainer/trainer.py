@@ -52,7 +52,7 @@ from ..advantages import collate_advantages
 from ..balance import MarbleBalancer
 from ..best import RewardHackingCallback
 from ..checkpoint import SamplerEpochCallback
-from ..console import order_logs
+from ..console import order_logs, use_compact_console
 from ..data import GroupSampler
 from ..distributed import (
     check_frozen_models_not_partitioned,
@@ -243,6 +243,8 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         self.add_callback(SamplerEpochCallback())
         if args.hacking_patience:
             self.add_callback(RewardHackingCallback(args.hacking_patience))
+        if args.console_format == "compact":
+            use_compact_console(self)
 
     # ------------------------------------------------------------------ setup helpers
     def _send_telemetry(self) -> None:
