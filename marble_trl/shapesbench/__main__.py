@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for p in shipping:
         p.add_argument("--jobs", type=int, default=2, help="2: the base model and the judges train at once")
+    con = sub.add_parser("confirm", help="the pre-registered confirmatory tables and verdicts from --out's records")
+    con.add_argument("--out", default=DEFAULT_OUT)
     rep = sub.add_parser("report", help="(re)write the tables and plots from the run records in --out")
     rep.add_argument("--out", default=DEFAULT_OUT)
     rep.add_argument(
@@ -62,6 +64,11 @@ def main(argv: list[str] | None = None) -> None:
 
     from .report import write_report
 
+    if args.command == "confirm":
+        from .confirm import report as confirm_report
+
+        print(confirm_report(args.out))
+        return
     if args.command == "ship":
         from .ship import ship
 
