@@ -26,6 +26,7 @@ mid-save leaves a ``tmp-checkpoint-N`` folder, which ``get_last_checkpoint`` and
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -109,6 +110,51 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, Any]:
             f"{path}: unsupported checkpoint format {manifest.get('format')!r} v{manifest.get('version')}."
         )
     return manifest
+
+
+# ------------------------------------------------------------------------------------------------ checksums
+CHECKSUMS_KEY = "sha256"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checksums(folder: str | os.PathLike) -> dict[str, str]:
+    """SHA-256 of every file of a checkpoint folder (recursively, relative POSIX paths), the manifest excluded."""
+    folder = Path(folder)
+    return {
+        path.relative_to(folder).as_posix(): file_sha256(path)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != MANIFEST_FILE
+    }
+
+
+def add_checksums(folder: str | os.PathLike) -> None:
+    """Record every file's SHA-256 in the manifest of a complete checkpoint (rewritten in place: still the last file
+    written, after every process has written its own)."""
+    folder = Path(folder)
+    manifest = json.loads((folder / MANIFEST_FILE).read_text(encoding="utf-8"))
+    manifest[CHECKSUMS_KEY] = checksums(folder)
+    write_json(folder / MANIFEST_FILE, manifest)
+
+
+def checksum_mismatches(folder: str | os.PathLike, manifest: dict[str, Any]) -> list[str]:
+    """The files of ``folder`` whose SHA-256 differs from the manifest's (or that are missing), as messages; empty for
+    a checkpoint written before checksums existed."""
+    folder = Path(folder)
+    problems = []
+    for name, expected in (manifest.get(CHECKSUMS_KEY) or {}).items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif file_sha256(path) != expected:
+            problems.append(f"{path} does not match its SHA-256 in {MANIFEST_FILE} (changed or corrupted on disk)")
+    return problems
 
 
 # ------------------------------------------------------------------------------------------------ atomic checkpoints

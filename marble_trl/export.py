@@ -33,7 +33,7 @@ from .artifacts import (
     PEFT_WEIGHTS_FILE,
     SAMPLES_DIR,
 )
-from .checkpoint import read_manifest
+from .checkpoint import checksum_mismatches, read_manifest
 from .hub import (
     card_info_from_checkpoint,
     read_export_config,
@@ -211,6 +211,10 @@ def read_run_folder(folder: str | os.PathLike, ema: bool = False) -> dict[str, A
             )
         manifest = read_manifest(folder)  # the clear error for other folders (tmp-checkpoint-N, ...)
         files = manifest["files"]
+        bad = [m for m in checksum_mismatches(folder, manifest) if m.startswith(str(folder / files["lora"])) or (
+            files.get("param_ema") and m.startswith(str(folder / files["param_ema"])))]  # fmt: skip
+        if bad:
+            raise ValueError(f"Not exporting {folder}: {bad[0]}. Export an earlier checkpoint-N instead.")
         if ema and not files.get("param_ema"):
             raise ValueError(f"{folder} has no parameter EMA: the run used param_ema=False.")
         return {"kind": "checkpoint", "lora": folder / (files["param_ema"] if ema else files["lora"])}

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .checkpoint import read_manifest
+from .checkpoint import checksum_mismatches, read_manifest
 from .guards import non_finite_tensors
 
 logger = logging.getLogger(__name__)
@@ -139,6 +139,11 @@ def validate_checkpoint(folder: str | os.PathLike) -> None:
                 torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:
             raise CorruptCheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}).") from e
+    # Last: a file that still reads (finite garbage, a changed byte) but is not what was saved
+    mismatches = checksum_mismatches(folder, manifest)
+    if mismatches:
+        more = f" (and {len(mismatches) - 1} more)" if len(mismatches) > 1 else ""
+        raise CorruptCheckpointError(mismatches[0] + more)
 
 
 def _read_json(path: Path) -> Any:

@@ -364,3 +364,24 @@ def test_a_nan_loss_refreshes_no_marble_coefficients(tmp_path, monkeypatch):
     trainer.train()
     assert trainer.nonfinite_guard.total == 1 and _finite(trainer)
     assert json.dumps(trainer.balancer.state_dict(), sort_keys=True) == before
+
+
+def test_finite_garbage_in_a_checkpoint_fails_its_sha256_and_resume_true_falls_back(reference_run, tmp_path):
+    """A LoRA whose bytes changed but still read as finite weights (it resumed silently before): the manifest's
+    SHA-256 of every file names it, resume=True takes the previous checkpoint, and export refuses it."""
+    from marble_trl.export import export_checkpoint
+
+    out = tmp_path / "run"
+    _copy_checkpoints(reference_run, out)
+    manifest = json.loads((out / "checkpoint-6" / "marble_checkpoint.json").read_text())
+    assert set(manifest["sha256"]) >= {LORA_FILE, OLD_POLICY_FILE, "optimizer.pt", "trainer_state.json"}
+    path = out / "checkpoint-6" / LORA_FILE
+    tensors = load_file(str(path))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 0.5  # finite, plausible, wrong
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(CorruptCheckpointError, match=f"checkpoint-6/{LORA_FILE} does not match its SHA-256"):
+        validate_checkpoint(out / "checkpoint-6")
+    assert resolve_resume(out, True) == str(out / "checkpoint-3")
+    with pytest.raises(ValueError, match=f"Not exporting .*checkpoint-6.*{LORA_FILE} does not match"):
+        export_checkpoint(out / "checkpoint-6", tmp_path / "exported")

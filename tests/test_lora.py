@@ -283,3 +283,20 @@ def test_adding_the_policy_adapters_warns_nothing(tiny_pipeline):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         add_policy_adapters(tr, small_lora_config())
+
+
+def test_saved_lora_has_the_mode_of_every_other_file(tmp_path):
+    """diffusers writes the LoRA through a private temporary file (0600): the saved LoRA gets the umask's mode, as
+    the manifest and the JSON files beside it."""
+    import os
+
+    from marble_trl.models import load_model
+    from marble_trl.models.base import save_diffusers_lora
+
+    adapter = load_model("tiny")
+    save_diffusers_lora(
+        type(adapter.pipeline), tmp_path, {"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(2, 2)}, None
+    )
+    (tmp_path / "other.json").write_text("{}")
+    mode = lambda name: os.stat(tmp_path / name).st_mode & 0o777  # noqa: E731
+    assert mode("pytorch_lora_weights.safetensors") == mode("other.json")

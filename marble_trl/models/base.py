@@ -232,3 +232,9 @@ def save_diffusers_lora(
         transformer_lora_adapter_metadata=metadata,
         **({"weight_name": weight_name} if weight_name else {}),
     )
+    # diffusers writes through a private temporary file (mode 0600): give the LoRA the mode of every other file
+    path = os.path.join(str(folder), weight_name or "pytorch_lora_weights.safetensors")
+    if os.path.isfile(path):
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(path, 0o666 & ~umask)

@@ -36,6 +36,7 @@ from ..artifacts import (
 )
 from ..checkpoint import (
     adapter_state,
+    add_checksums,
     base_model_name,
     check_keys,
     fsync_dir,
@@ -176,6 +177,7 @@ def save_checkpoint_atomically(trainer: Trainer, save, model, trial) -> None:
         trainer._checkpoint_staging_root = None
     trainer.accelerator.wait_for_everyone()
     if args.should_save:
+        add_checksums(staging_root / name)  # every process's files are written: hash them into the manifest
         fsync_tree(staging_root / name)
         replace_dir(staging_root / name, final)
         staging_root.rmdir()
