@@ -27,6 +27,22 @@ def bundled_prompts_path() -> Path:
     return Path(str(resources.files("marble_trl") / "data" / BUNDLED_PROMPTS))
 
 
+def check_utf8(file: Path) -> None:
+    """A text prompt file must be UTF-8: a clear error naming the file, the line, the column and the byte otherwise
+    (Python's ``UnicodeDecodeError`` names only a position, pyarrow's ``ArrowInvalid`` nothing at all)."""
+    data = file.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise ValueError(
+            f"Prompt file {str(file)!r}: line {line}, column {column} is not UTF-8 (byte 0x{data[err.start]:02x} at "
+            f"offset {err.start}). Save the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 in > out` (or the "
+            "encoding it was written in)."
+        ) from None
+
+
 def load_prompt_dataset(path: str | None = None):
     """A ``datasets.Dataset`` with a ``prompt`` column from a text file (one prompt per line; blank lines and
     ``#`` comments skipped). ``None`` or ``"bundled"`` loads the packaged tiny prompt file."""
@@ -35,6 +51,7 @@ def load_prompt_dataset(path: str | None = None):
     file = bundled_prompts_path() if path in (None, "bundled") else Path(path).expanduser()
     if not file.is_file():
         raise FileNotFoundError(f"Prompt file {str(file)!r} does not exist (dataset_name / prompt file).")
+    check_utf8(file)
     prompts = [ln.strip() for ln in file.read_text(encoding="utf-8").splitlines()]
     prompts = [p for p in prompts if p and not p.startswith("#")]
     if not prompts:

@@ -6,9 +6,9 @@ run on the same folder fails at start naming the owner. A lock whose pid no long
 owner was killed): it is taken over with a warning. A lock from another host cannot be checked from here; delete it
 by hand once that run is gone.
 
-A folder that already holds ``checkpoint-*`` folders of an earlier run is refused unless the run resumes from one
-(``resume_from_checkpoint``) or ``overwrite_output_dir=True`` says to write over it (the semantics of transformers'
-example scripts).
+A folder that already holds ``checkpoint-*`` folders of an earlier run, or a finished run's LoRA (a run saved with
+``save_strategy="no"``), is refused unless the run resumes from one (``resume_from_checkpoint``) or
+``overwrite_output_dir=True`` says to write over it (the semantics of transformers' example scripts).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .artifacts import LOCK_FILE
+from .artifacts import EXPORT_CONFIG_FILE, LOCK_FILE, LORA_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,12 @@ def check_not_overwriting(output_dir: str | os.PathLike, resuming: bool, overwri
     if resuming or overwrite or not folder.is_dir():
         return
     checkpoints = sorted(p.name for p in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir())
+    if not checkpoints and (folder / LORA_FILE).is_file() and (folder / EXPORT_CONFIG_FILE).is_file():
+        raise FileExistsError(
+            f"output_dir {str(folder)!r} already holds a finished run (its {LORA_FILE} and {EXPORT_CONFIG_FILE}): a "
+            "new run would replace its LoRA. Write over it with overwrite_output_dir=True (--overwrite_output_dir "
+            "true), or choose another output_dir."
+        )
     if checkpoints:
         raise FileExistsError(
             f"output_dir {str(folder)!r} already holds checkpoints of an earlier run ({', '.join(checkpoints[:3])}"

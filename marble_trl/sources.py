@@ -237,6 +237,10 @@ def _load_file(name: str, file: Path, suffix: str):
     from datasets import load_dataset
 
     fmt = FILE_FORMATS[suffix]
+    if suffix != "parquet":  # text formats: an encoding error names the line (parquet stores UTF-8 by format)
+        from .data import check_utf8
+
+        check_utf8(file)
     if _has_no_rows(file, suffix):
         raise ValueError(
             f"Prompt source {name!r}: file {str(file)!r} is empty (no rows); it needs at least one row with a "

@@ -303,6 +303,19 @@ def test_a_fresh_run_does_not_overwrite_an_earlier_runs_checkpoints(reference_ru
     make_trainer(out, max_steps=1, overwrite_output_dir=True).train()
 
 
+def test_a_fresh_run_does_not_overwrite_a_finished_run_without_checkpoints(tmp_path):
+    """save_strategy "no" (the default and the recipes'): the finished run's LoRA and manifest were replaced silently."""
+    out = tmp_path / "run"
+    first = make_trainer(out, max_steps=1, save_strategy="no")
+    first.train()
+    first.save_model(str(out))
+    lora = (out / LORA_FILE).read_bytes()
+    with pytest.raises(FileExistsError, match="already holds a finished run.*overwrite_output_dir"):
+        make_trainer(out, max_steps=1, save_strategy="no").train()
+    assert (out / LORA_FILE).read_bytes() == lora
+    make_trainer(out, max_steps=1, save_strategy="no", overwrite_output_dir=True).train()
+
+
 def test_a_user_lora_config_with_zero_alpha_is_refused(tmp_path):
     from datasets import Dataset
     from marble_runs import small_args

@@ -337,3 +337,19 @@ def test_unreadable_file_names_the_file_and_format(tmp_path) -> None:
     file.write_text("this is not json\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"'broken'.*could not read .*broken\.jsonl.* as jsonl"):
         load_source(str(file))
+
+
+@pytest.mark.parametrize("suffix", ["txt", "jsonl", "json", "csv"])
+def test_a_prompt_file_that_is_not_utf8_is_named_with_its_line_and_byte(tmp_path, suffix):
+    from marble_trl.sources import load_source
+
+    body = {
+        "txt": b"a red apple\nun caf\xe9 au lait\n",
+        "jsonl": b'{"prompt": "a red apple"}\n{"prompt": "un caf\xe9"}\n',
+        "json": b'[{"prompt": "a red apple"},\n {"prompt": "un caf\xe9"}]\n',
+        "csv": b"prompt\na red apple\nun caf\xe9\n",
+    }[suffix]
+    path = tmp_path / f"prompts.{suffix}"
+    path.write_bytes(body)
+    with pytest.raises(ValueError, match=rf"prompts.{suffix}'.*line (2|3), column \d+ is not UTF-8 \(byte 0xe9"):
+        load_source(str(path))
