@@ -36,13 +36,14 @@ def recording(rewards, log: list):
     return [first, *rewards[1:]]
 
 
-def make_trainer(output_dir, rewards=None, callbacks=None, **overrides) -> MarbleDiffusionNFTTrainer:
+def make_trainer(output_dir, rewards=None, callbacks=None, peft_config=None, **overrides) -> MarbleDiffusionNFTTrainer:
     return MarbleDiffusionNFTTrainer(
         "tiny",
         list(rewards or REWARDS),
         args=small_args(output_dir, **overrides),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         callbacks=callbacks,
+        peft_config=peft_config,
     )
 
 

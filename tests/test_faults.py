@@ -398,3 +398,21 @@ def test_finite_garbage_in_a_checkpoint_fails_its_sha256_and_resume_true_falls_b
     assert resolve_resume(out, True) == str(out / "checkpoint-3")
     with pytest.raises(ValueError, match=f"Not exporting .*checkpoint-6.*{LORA_FILE} does not match"):
         export_checkpoint(out / "checkpoint-6", tmp_path / "exported")
+
+
+def test_the_manifest_records_the_lora_a_peft_config_trained(tmp_path):
+    """A LoraConfig given to the trainer overrides the config's lora_* defaults: the checkpoint's manifest records
+    r 4 / alpha 8 / the given targets (it recorded the unused defaults, r 32 and alpha 64), and a resume with the same
+    LoraConfig is accepted."""
+    from peft import LoraConfig
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["attn.to_q", "attn.to_v"], init_lora_weights="gaussian")
+    out = tmp_path / "run"
+    make_trainer(out, max_steps=1, save_strategy="steps", save_steps=1, peft_config=config).train()
+    manifest = json.loads((out / "checkpoint-1" / "marble_checkpoint.json").read_text())
+    args = manifest["training_args"]
+    assert (args["lora_r"], args["lora_alpha"], args["lora_target_modules"]) == (4, 8, ["attn.to_q", "attn.to_v"])
+    assert manifest["lora_config"]["r"] == 4
+    resumed = make_trainer(out, max_steps=2, save_strategy="no", peft_config=config)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    assert resumed.state.global_step == 2

@@ -61,6 +61,21 @@ def save_lora_file(trainer: Trainer, folder: str | os.PathLike, layers: dict, we
     trainer.model_adapter.save_lora(folder, layers, trainer.peft_config.to_dict(), weight_name)
 
 
+def trained_args(trainer: Trainer) -> dict:
+    """The training arguments as JSON, their LoRA fields set to the LoRA that was trained (a ``peft_config`` given to
+    the trainer overrides ``lora_r`` and the rest: the manifest must not record the unused defaults)."""
+    args = json.loads(trainer.args.to_json_string())
+    config = trainer.peft_config
+    targets = config.target_modules
+    args.update(
+        lora_r=config.r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        lora_target_modules=sorted(targets) if isinstance(targets, (set, list, tuple)) else targets,
+    )
+    return args
+
+
 def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     """Write the old-policy adapter, the parameter EMA, the balancer state and the manifest into ``folder``.
 
@@ -102,7 +117,7 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
         DATASET_KEY: dataset_fingerprint(trainer.train_dataset),
         "files": files,
         "lora_config": json.loads(json.dumps(trainer.peft_config.to_dict(), default=jsonable)),
-        "training_args": json.loads(trainer.args.to_json_string()),
+        "training_args": trained_args(trainer),
     }
     write_json(folder / MANIFEST_FILE, manifest)  # last: its presence marks a complete marble_trl checkpoint
 
@@ -347,13 +362,9 @@ def save_emergency_checkpoint(trainer: Trainer, error: BaseException) -> str | N
 
 
 # ------------------------------------------------------------------------------------------ configuration changes
-def _jsonable_args(args: Any) -> dict[str, Any]:
-    return json.loads(args.to_json_string())
-
-
 def check_resume_config(trainer: Trainer, manifest: dict[str, Any], folder: Path) -> None:
     """Refuse a resume whose new configuration changes what the resumed steps compute (see the module docstring)."""
-    old, new = manifest.get("training_args", {}), _jsonable_args(trainer.args)
+    old, new = manifest.get("training_args", {}), trained_args(trainer)  # both with the LoRA actually trained
     allowed = set(trainer.args.resume_allow_changes or [])
     changed = {f: (old[f], new.get(f)) for f in (*EXACT_FIELDS, *APPLIED_FIELDS, *FROZEN_FIELDS) if f in old}
     changed = {f: v for f, v in changed.items() if v[0] != v[1]}
