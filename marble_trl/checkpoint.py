@@ -26,6 +26,7 @@ mid-save leaves a ``tmp-checkpoint-N`` folder, which ``get_last_checkpoint`` and
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -155,6 +156,32 @@ def checksum_mismatches(folder: str | os.PathLike, manifest: dict[str, Any]) -> 
         elif file_sha256(path) != expected:
             problems.append(f"{path} does not match its SHA-256 in {MANIFEST_FILE} (changed or corrupted on disk)")
     return problems
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete ``checkpoint-N`` folder of ``run_dir`` (with its manifest), or None."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    done = [p for p in Path(run_dir).glob(f"{PREFIX_CHECKPOINT_DIR}-*") if (p / MANIFEST_FILE).is_file()]
+    steps = {p: int(p.name.rsplit("-", 1)[1]) for p in done if p.name.rsplit("-", 1)[1].isdigit()}
+    return max(steps, key=steps.get) if steps else None
+
+
+def check_free_space(run_dir: Path, name: str, first_bytes: int) -> None:
+    """Refuse a checkpoint the disk cannot hold before writing any of it (a full disk mid-save leaves a partial
+    staging folder taking the space), naming the folder and the bytes needed: the newest checkpoint's size + 10%, or
+    ``first_bytes`` before the first one."""
+    last = latest_checkpoint(run_dir)
+    size = sum(p.stat().st_size for p in last.rglob("*") if p.is_file()) if last is not None else first_bytes
+    needed = int(size * 1.1)
+    free = shutil.disk_usage(run_dir if run_dir.exists() else run_dir.parent).free
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"Not enough free space to write {run_dir / name}: it needs about {needed:,} bytes (the last checkpoint's "
+            f"size + 10%), {free:,} are free. Free space, lower save_total_limit, or move output_dir. "
+            + (f"The last intact checkpoint is {last}." if last else "No checkpoint was written yet."),
+        )
 
 
 # ------------------------------------------------------------------------------------------------ atomic checkpoints

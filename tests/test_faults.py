@@ -416,3 +416,40 @@ def test_the_manifest_records_the_lora_a_peft_config_trained(tmp_path):
     resumed = make_trainer(out, max_steps=2, save_strategy="no", peft_config=config)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
     assert resumed.state.global_step == 2
+
+
+def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_any_byte_is_written(tmp_path, monkeypatch):
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    out = tmp_path / "run"
+    make_trainer(out, max_steps=1, save_strategy="steps", save_steps=1).train()
+    size = sum(p.stat().st_size for p in (out / "checkpoint-1").rglob("*") if p.is_file())
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(10**9, 10**9 - size // 2, size // 2))
+    trainer = make_trainer(out, max_steps=2, save_strategy="steps", save_steps=1)
+    with pytest.raises(
+        OSError, match=r"Not enough free space to write .*checkpoint-2: it needs about [\d,]+ bytes"
+    ) as err:
+        trainer.train(resume_from_checkpoint=True)
+    assert "The last intact checkpoint is" in str(err.value) and "checkpoint-1" in str(err.value)
+    assert not list(out.glob("tmp-checkpoint-*"))  # nothing partial left behind
+    validate_checkpoint(out / "checkpoint-1")
+
+
+def test_a_save_that_fails_midway_removes_its_partial_folder_and_names_the_intact_checkpoint(tmp_path, monkeypatch):
+    import marble_trl.trainer.checkpointing as checkpointing
+
+    out = tmp_path / "run"
+    make_trainer(out, max_steps=1, save_strategy="steps", save_steps=1).train()
+
+    def disk_full(trainer, folder):
+        (Path(folder) / "old_policy_lora.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpointing, "save_training_state", disk_full)
+    trainer = make_trainer(out, max_steps=2, save_strategy="steps", save_steps=1)
+    with pytest.raises(OSError, match=r"checkpoint-2 failed \(OSError: \[Errno 28\].*partial files were removed"):
+        trainer.train(resume_from_checkpoint=True)
+    assert not list(out.glob("tmp-checkpoint-*")) and not (out / "checkpoint-2").exists()
+    validate_checkpoint(out / "checkpoint-1")

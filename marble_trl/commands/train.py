@@ -262,17 +262,31 @@ def _save_after_failure(trainer, out: Path, error: BaseException, start: float) 
     out.mkdir(parents=True, exist_ok=True)
     one_process = trainer.accelerator.num_processes == 1  # else the other processes may be stuck: no save
     params = trainer.trainable_parameters() if one_process else {}
+    lora_kept = None
     if one_process and not non_finite_tensors({n: p.detach() for n, p in params.items()}):
-        trainer.save_model(str(out), _internal_call=True)  # not a "Model save" push of a failed run
-    _write_metrics(trainer, out)
+        try:
+            trainer.save_model(str(out), _internal_call=True)  # not a "Model save" push of a failed run
+            lora_kept = True
+        except Exception as save_error:  # a full disk fails this too: say so, keep the original error
+            lora_kept = f"{type(save_error).__name__}: {save_error}"
+    try:
+        _write_metrics(trainer, out)
+    except OSError:
+        pass
     summary = {
         "global_step": trainer.state.global_step,
         "error": f"{type(error).__name__}: {error}",
         "emergency_checkpoint": trainer.emergency_checkpoint,
         "wall_time_s": round(time.perf_counter() - start, 1),
     }
-    (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"[marble-trl] failed at step {trainer.state.global_step}: {summary['error']} (kept in {out})")
+    if isinstance(lora_kept, str):
+        summary["lora_not_saved"] = lora_kept
+    try:
+        (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    except OSError:
+        pass
+    kept = "; the final LoRA could not be saved either" if isinstance(lora_kept, str) else ""
+    print(f"[marble-trl] failed at step {trainer.state.global_step}: {summary['error']} (kept in {out}{kept})")
 
 
 def grid_prompt_list(dataset, n: int) -> list[str]:

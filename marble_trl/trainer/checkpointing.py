@@ -38,10 +38,12 @@ from ..checkpoint import (
     adapter_state,
     add_checksums,
     base_model_name,
+    check_free_space,
     check_keys,
     fsync_dir,
     fsync_tree,
     jsonable,
+    latest_checkpoint,
     load_adapter_state,
     read_manifest,
     replace_dir,
@@ -182,18 +184,30 @@ def save_checkpoint_atomically(trainer: Trainer, save, model, trial) -> None:
     final = run_dir / name
     if args.should_save:
         shutil.rmtree(staging_root, ignore_errors=True)  # left by a crash during an earlier save of this step
+        params = trainer.trainable_parameters().values()
+        check_free_space(run_dir, name, 6 * sum(p.numel() * p.element_size() for p in params) + (1 << 20))
         staging_root.mkdir(parents=True)
     trainer.accelerator.wait_for_everyone()
     trainer._checkpoint_staging_root = str(staging_root)
     try:
         save(model, trial)
         save_training_state(trainer, staging_root / name)
+        trainer.accelerator.wait_for_everyone()
+        if args.should_save:
+            add_checksums(staging_root / name)  # every process's files are written: hash them into the manifest
+            fsync_tree(staging_root / name)
+    except Exception as error:
+        if args.should_save:  # a partial staging folder would only take the space a next save needs
+            shutil.rmtree(staging_root, ignore_errors=True)
+        intact = latest_checkpoint(run_dir)
+        raise OSError(
+            getattr(error, "errno", None),
+            f"Writing {run_dir / name} failed ({type(error).__name__}: {error}); its partial files were removed. "
+            + (f"The last intact checkpoint is {intact}." if intact else "No earlier checkpoint exists."),
+        ) from error
     finally:
         trainer._checkpoint_staging_root = None
-    trainer.accelerator.wait_for_everyone()
     if args.should_save:
-        add_checksums(staging_root / name)  # every process's files are written: hash them into the manifest
-        fsync_tree(staging_root / name)
         replace_dir(staging_root / name, final)
         staging_root.rmdir()
         fsync_dir(run_dir)
