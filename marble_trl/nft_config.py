@@ -206,6 +206,14 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     )
 
     # --- faults and resume ---
+    take_over_lock: bool = field(
+        default=False,
+        metadata={
+            "help": "Take over output_dir's lock whoever holds it. A lock is taken over anyway when its owner's pid "
+            "is gone on this host, when it belongs to this scheduler job (a requeued Slurm / PBS / LSF / SGE job), or "
+            "when its heartbeat is older than its 10-minute lease (docs/checkpoints.md)."
+        },
+    )
     max_nonfinite_skips: int = field(
         default=3,
         metadata={

@@ -1,10 +1,16 @@
 """One run per ``output_dir``: a lock file held while ``train()`` runs, and no silent overwrite of an earlier run.
 
-``<output_dir>/.marble_trl.lock`` holds the owner's pid, host and start time; it is created atomically
-(``O_CREAT | O_EXCL``) by the main process when training starts and removed when it ends, also on errors. A second
-run on the same folder fails at start naming the owner. A lock whose pid no longer runs on this host is stale (the
-owner was killed): it is taken over with a warning. A lock from another host cannot be checked from here; delete it
-by hand once that run is gone.
+``<output_dir>/.marble_trl.lock`` holds the owner's pid, host, start time, scheduler job id (Slurm, PBS, LSF, SGE) and
+lease; it is created atomically (``O_CREAT | O_EXCL``) by the main process when training starts and removed when it
+ends, also on errors. While it is held a heartbeat thread touches it every third of the lease (default 10 minutes). A
+second run on the same folder fails at start naming the owner, unless the lock is stale:
+
+- its pid no longer runs on this host (the owner was killed);
+- it belongs to the same scheduler job (a requeued job restarting on another node);
+- its heartbeat is older than its lease (the owner's host died or the owner hangs: a live owner touches it);
+
+then it is taken over with a warning. ``take_over_lock=True`` (``--take_over_lock true``) takes over any lock, for an
+owner you know is gone before its lease expires.
 
 A folder that already holds ``checkpoint-*`` folders of an earlier run, or a finished run's LoRA (a run saved with
 ``save_strategy="no"``), is refused unless the run resumes from one (``resume_from_checkpoint``) or
@@ -13,10 +19,12 @@ A folder that already holds ``checkpoint-*`` folders of an earlier run, or a fin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -41,16 +49,37 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+LEASE_S = 600.0  # a live owner touches its lock every LEASE_S / 3 seconds
+JOB_ID_VARIABLES = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID")
+
+
+def scheduler_job_id() -> str | None:
+    """The batch scheduler's job id of this process (a requeued job keeps it), or None."""
+    for name in JOB_ID_VARIABLES:
+        if os.environ.get(name):
+            return f"{name}={os.environ[name]}"
+    return None
+
+
 class OutputDirLock:
     """The lock of one ``output_dir`` (see the module docstring); ``acquire`` / ``release`` or a ``with`` block."""
 
-    def __init__(self, output_dir: str | os.PathLike) -> None:
+    def __init__(self, output_dir: str | os.PathLike, lease_s: float = LEASE_S, take_over: bool = False) -> None:
         self.path = Path(output_dir) / LOCK_FILE
+        self.lease_s, self.take_over = float(lease_s), take_over
         self.held = False
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        owner = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "job": scheduler_job_id(),
+            "lease_s": self.lease_s,
+        }
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -60,27 +89,55 @@ class OutputDirLock:
             with os.fdopen(fd, "w") as f:
                 json.dump(owner, f)
             self.held = True
+            self._start_heartbeat()
             return
         raise OutputDirLockedError(f"Could not take the lock {self.path}: another run keeps creating it.")
+
+    def _start_heartbeat(self) -> None:
+        self._stop.clear()
+
+        def beat() -> None:
+            while not self._stop.wait(self.lease_s / 3):
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
+
+        self._heartbeat = threading.Thread(target=beat, name="marble-trl-lock-heartbeat", daemon=True)
+        self._heartbeat.start()
 
     def _handle_existing(self) -> None:
         try:
             other = json.loads(self.path.read_text())
+            age = time.time() - self.path.stat().st_mtime
         except (OSError, ValueError):
-            other = {}
-        pid, host = other.get("pid"), other.get("host")
+            other, age = {}, 0.0
+        pid, host, job = other.get("pid"), other.get("host"), other.get("job")
+        lease = float(other.get("lease_s") or self.lease_s)
+        stale = None
         if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid() and not _pid_alive(pid):
-            logger.warning("Taking over the stale lock %s of pid %s (no longer running on %s).", self.path, pid, host)
+            stale = f"pid {pid} no longer runs on {host}"
+        elif job is not None and job == scheduler_job_id():
+            stale = f"it belongs to this scheduler job ({job}): a requeued run"
+        elif other and age > lease:
+            stale = f"its heartbeat is {age:.0f} s old (lease {lease:.0f} s): the owner on {host} is gone or hangs"
+        elif self.take_over:
+            stale = "take_over_lock=True"
+        if stale is not None:
+            logger.warning("Taking over the lock %s of pid %s on %s: %s.", self.path, pid, host, stale)
             self.path.unlink(missing_ok=True)
             return
         who = f"pid {pid} on host {host}, started {other.get('started')}" if other else "an unreadable lock"
         raise OutputDirLockedError(
-            f"output_dir {str(self.path.parent)!r} is in use by another marble_trl run ({who}): two runs in one folder "
-            f"would overwrite each other's checkpoints and LoRA. Wait for it to end, choose another output_dir, or, if "
-            f"that run is gone (another host, a crashed machine), delete {self.path}."
+            f"output_dir {str(self.path.parent)!r} is in use by another marble_trl run ({who}; its heartbeat is "
+            f"{age:.0f} s old, lease {lease:.0f} s): two runs in one folder would overwrite each other's checkpoints "
+            "and LoRA. Wait for it to end, choose another output_dir, or, if that run is gone, wait for its lease to "
+            f"expire or take the lock over with take_over_lock=True (--take_over_lock true)."
         )
 
     def release(self) -> None:
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5)
+            self._heartbeat = None
         if self.held:
             self.path.unlink(missing_ok=True)
             self.held = False

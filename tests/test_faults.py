@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -291,8 +292,47 @@ def test_a_second_run_on_a_busy_output_dir_fails_at_start(tmp_path):
 
 def test_lock_of_a_live_process_on_another_host_is_respected(tmp_path):
     (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "another-host", "started": "x"}))
-    with pytest.raises(OutputDirLockedError, match="another-host"):
+    with pytest.raises(OutputDirLockedError, match="another-host.*take_over_lock=True"):
         OutputDirLock(tmp_path).acquire()
+
+
+def test_a_lock_whose_heartbeat_outlived_its_lease_is_taken_over(tmp_path, caplog):
+    """A SIGKILLed run's lock on another host was never stale: a requeued job on another node needed it deleted by
+    hand. Its heartbeat stops with it, so after the lease the lock is taken over."""
+    lock = tmp_path / LOCK_FILE
+    lock.write_text(json.dumps({"pid": 1, "host": "dead-node", "started": "x", "lease_s": 60}))
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    with caplog.at_level("WARNING", logger="marble_trl.output_dir"):
+        with OutputDirLock(tmp_path):
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert "heartbeat is 120 s old (lease 60 s)" in caplog.text
+
+
+def test_a_requeued_job_takes_over_its_own_lock_and_force_takes_any(tmp_path, monkeypatch):
+    lock = tmp_path / LOCK_FILE
+    lock.write_text(json.dumps({"pid": 1, "host": "node-a", "started": "x", "job": "SLURM_JOB_ID=42"}))
+    monkeypatch.setenv("SLURM_JOB_ID", "43")
+    with pytest.raises(OutputDirLockedError):
+        OutputDirLock(tmp_path).acquire()  # another job's: live (fresh heartbeat), refused
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    with OutputDirLock(tmp_path):  # the same job, requeued on another node
+        assert json.loads(lock.read_text())["job"] == "SLURM_JOB_ID=42"
+    lock.write_text(json.dumps({"pid": 1, "host": "node-b", "started": "x"}))
+    with OutputDirLock(tmp_path, take_over=True):
+        pass
+    assert not lock.exists()
+
+
+def test_a_held_lock_heartbeats(tmp_path):
+    with OutputDirLock(tmp_path, lease_s=0.3):
+        lock = tmp_path / LOCK_FILE
+        first = lock.stat().st_mtime
+        old = first - 100
+        os.utime(lock, (old, old))
+        time.sleep(0.35)
+        assert lock.stat().st_mtime > old + 50  # touched again by the heartbeat thread
+    assert not lock.exists()
 
 
 def test_a_fresh_run_does_not_overwrite_an_earlier_runs_checkpoints(reference_run, tmp_path):

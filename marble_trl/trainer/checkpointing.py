@@ -307,7 +307,7 @@ def training_session(trainer: Trainer, resume_from_checkpoint=None) -> Iterator[
     install the :class:`SaveOnSignalCallback` handlers, and write an emergency checkpoint when training raises.
     Everything is undone on exit, also on errors."""
     args = trainer.args
-    lock = OutputDirLock(args.output_dir) if args.should_save else None
+    lock = OutputDirLock(args.output_dir, take_over=args.take_over_lock) if args.should_save else None
     if lock is not None:
         lock.acquire()
     callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, SaveOnSignalCallback)), None)
