@@ -53,6 +53,7 @@ class NonFiniteGuard(TrainerCallback):
     def reset(self) -> None:
         self.reasons: list[str] = []  # why the current step is bad (empty: fine so far)
         self.skipped = False  # the step just taken was skipped (read by the trainer's after-step update)
+        self.stepped = False  # the optimizer moved the weights and the step has not ended yet (global_step behind)
         self.consecutive = 0
         self.total = 0
         self._snapshot: tuple[dict, dict] | None = None
@@ -91,6 +92,10 @@ class NonFiniteGuard(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self.reasons = []
         self.skipped = False
+        self.stepped = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.stepped = False  # global_step counts the step now: the weights are its
 
     def _scaler(self):
         return getattr(self.trainer.accelerator, "scaler", None)
@@ -118,6 +123,7 @@ class NonFiniteGuard(TrainerCallback):
             )
 
     def on_optimizer_step(self, args, state, control, **kwargs):
+        self.stepped = not self.skipped
         if self.trainer.is_deepspeed_enabled or self.skipped:
             return
         if self._scaler() is not None:

@@ -168,6 +168,26 @@ def test_nan_rollouts_are_an_error_not_not_applicable(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ a raising reward
+def test_an_error_after_the_optimizer_step_saves_no_checkpoint_of_mixed_weights(tmp_path, caplog):
+    """The old-policy update raises in step 3, after the optimizer moved the weights but before the step ended: an
+    emergency checkpoint-2 would hold step 3's weights under step 2's number (and a half-updated old policy). None is
+    written, and the error says why."""
+    out = tmp_path / "run"
+    trainer = make_trainer(out, max_steps=4)
+    update = trainer.old_policy.update
+
+    def failing(transformer, eta):
+        if trainer.state.global_step == 2:  # step 3 (1-based), global_step not yet advanced
+            raise RuntimeError("disk error while copying the old policy")
+        return update(transformer, eta)
+
+    trainer.old_policy.update = failing
+    with caplog.at_level("ERROR"), pytest.raises(RuntimeError, match="disk error"):
+        trainer.train()
+    assert trainer.emergency_checkpoint is None and not (out / "checkpoint-2").exists()
+    assert "the optimizer had already stepped in step 3" in caplog.text
+
+
 def test_a_raising_reward_leaves_an_emergency_checkpoint_that_resumes_exactly(reference_run, tmp_path):
     """The reward raises on its 4th call (step 4) under save_strategy="no": checkpoint-3 is written anyway, and the
     run resumed from it ends where the uninterrupted reference run ends."""

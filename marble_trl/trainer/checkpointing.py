@@ -342,6 +342,9 @@ def save_emergency_checkpoint(trainer: Trainer, error: BaseException) -> str | N
         reason = "no optimizer step was completed"
     elif trainer.accelerator.num_processes > 1:
         reason = "a save needs every process, and with several processes the others may be stuck"
+    elif getattr(trainer.nonfinite_guard, "stepped", False):
+        # Saved under step N, the weights of step N + 1 (and a half-updated old policy) would resume wrongly.
+        reason = f"the optimizer had already stepped in step {step + 1}, so the weights belong to no completed step"
     elif folder.is_dir():
         reason = f"{folder} already exists"
     else:
