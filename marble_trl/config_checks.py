@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 from .advantages import SCALE_REWARDS
 from .balance.marble import AMORTISED_MODES, SILENT_MODES
@@ -56,6 +57,10 @@ def check_fields(self) -> None:
     need(
         self.lora_target_modules is None or len(self.lora_target_modules) > 0,
         "lora_target_modules is empty: name at least one module to adapt, or leave it unset for the family's default.",
+    )
+    need(
+        not (self.output_dir and os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir)),
+        f"output_dir {self.output_dir!r} is a file, not a folder: give a folder path (created if missing).",
     )
     need(self.num_sample_steps >= 1, f"num_sample_steps must be >= 1, got {self.num_sample_steps}.")
     check_solver_name(self.sample_scheduler, "sample_scheduler")  # every family runs every accepted solver

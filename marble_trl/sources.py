@@ -17,6 +17,7 @@ this source's label (TRL's ``name``, the Hub configuration, is ``subset`` here) 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from .shapesbench.world import FAMILIES
+
+logger = logging.getLogger(__name__)
 
 SOURCE_COLUMN = "source"
 FILE_FORMATS = {"json": "json", "jsonl": "json", "csv": "csv", "parquet": "parquet"}
@@ -206,6 +209,7 @@ def load_source(source: PromptSource | str | Mapping):
 
         dataset = load_dataset(path, name=source.subset, split=source.split)
     columns = dataset.column_names
+    warn_mixed_types(dataset, origin)
     if source.prompt_column not in columns:
         raise ValueError(
             f"Prompt source {source.name!r} ({path}) has no {source.prompt_column!r} column (columns: {columns}); "
@@ -227,6 +231,28 @@ def load_source(source: PromptSource | str | Mapping):
         dataset = dataset.select(range(source.max_prompts))
     check_prompt_dataset(dataset, name=f"prompt source {source.name!r}", column=source.prompt_column, origin=origin)
     return dataset
+
+
+def warn_mixed_types(dataset, origin: str, limit: int = 100_000) -> None:
+    """A warning naming a column whose values change type between rows (``2`` then ``"two"``; ``None`` is "not
+    given" and mixes with anything): ``datasets`` keeps such a column as JSON objects, and the rewards get both types."""
+    if len(dataset) > limit:
+        return  # a large dataset: its loader typed it already; checking costs a full pass
+    for column in dataset.column_names:
+        values = dataset[column]
+        first: dict[type, int] = {}
+        for row, value in enumerate(values):
+            if value is not None:
+                first.setdefault(type(value), row)
+        if len(first) > 1:
+            kinds = ", ".join(f"{t.__name__} (first at row {r})" for t, r in sorted(first.items(), key=lambda x: x[1]))
+            logger.warning(
+                "%s: column %r holds values of several types: %s. The rewards receive them as they are; make the "
+                "column one type (or None where it does not apply) if that is not intended.",
+                origin,
+                column,
+                kinds,
+            )
 
 
 def _load_file(name: str, file: Path, suffix: str):

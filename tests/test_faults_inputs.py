@@ -353,3 +353,58 @@ def test_a_prompt_file_that_is_not_utf8_is_named_with_its_line_and_byte(tmp_path
     path.write_bytes(body)
     with pytest.raises(ValueError, match=rf"prompts.{suffix}'.*line (2|3), column \d+ is not UTF-8 \(byte 0xe9"):
         load_source(str(path))
+
+
+def test_a_reward_that_writes_into_the_images_is_named(images: torch.Tensor) -> None:
+    def brighten(prompts, images, **_):
+        images.mul_(2.0)  # in place: the next reward would score doubled images
+        return images.mean(dim=(1, 2, 3)).tolist()
+
+    with pytest.raises(RewardError, match="Reward 'brighten' modified the images it was given in place"):
+        score_rewards([brighten, brightness], PROMPTS[: len(images)], images.clone())
+    kept = images.clone()
+    score_rewards([brightness], PROMPTS[: len(images)], kept)  # reading them is fine
+    assert torch.equal(kept, images)
+
+
+def test_a_reward_returning_a_tensor_of_values_is_read_value_by_value(images: torch.Tensor) -> None:
+    def as_tensor(prompts, images, **_):
+        return images.mean(dim=(1, 2, 3))  # a [B] tensor (of any device: each value is read with .item())
+
+    out = score_rewards([as_tensor], PROMPTS[: len(images)], images)
+    torch.testing.assert_close(out[0], images.mean(dim=(1, 2, 3)))
+
+
+def test_a_column_changing_type_between_rows_is_warned_about_naming_the_file_and_rows(tmp_path, caplog) -> None:
+    """datasets keeps a mixed column as JSON objects (2 then "two"); a GenEval-style column of None and lists is not
+    mixed (None: not given)."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(
+        '{"prompt": "a cat", "count": 2, "include": null}\n{"prompt": "a dog", "count": "two", "include": [1]}\n'
+    )
+    with caplog.at_level("WARNING", logger="marble_trl.sources"):
+        dataset = load_source(str(path))
+    assert dataset["count"] == [2, "two"]
+    assert "mixed.jsonl: column 'count' holds values of several types: int (first at row 0), str (first at row 1)" in (
+        caplog.text
+    )
+    assert "'include'" not in caplog.text
+
+
+def test_an_output_dir_that_is_a_file_is_refused_naming_it(tmp_path) -> None:
+    path = tmp_path / "out"
+    path.write_text("not a folder")
+    with pytest.raises(ValueError, match=f"output_dir '{path}' is a file, not a folder"):
+        tiny_args(path)
+
+
+def test_a_prompt_longer_than_the_encoder_limit_is_logged_once(caplog) -> None:
+    """diffusers warns on every truncated encode, i.e. every step; the adapter lets the first one through."""
+    from marble_trl.models import load_model
+
+    adapter = load_model("tiny-flux")
+    long = "a very long prompt " * 20
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            adapter.encode([long], 8, torch.device("cpu"))
+    assert caplog.text.count("was truncated because") == 1 and "(logged once per run)" in caplog.text

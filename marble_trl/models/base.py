@@ -8,6 +8,7 @@ what differs: ``_encode`` (distinct prompts -> conditioning), ``sample``, ``pred
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from contextlib import nullcontext
 from typing import Any, ClassVar
@@ -67,6 +68,43 @@ class RowConditioning:
         return type(self)(**values)
 
 
+class _OncePerKind(logging.Filter):
+    """Lets the first record of each kind through (the prompt truncation warning, Qwen-Image's missing-mask notice),
+    marked as not repeated, and drops the rest: a pipeline's encode runs every step and would repeat them."""
+
+    KINDS = ("was truncated because", "prompt_embeds_mask")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        kind = next((k for k in self.KINDS if k in message), None)
+        if kind is None:
+            return True
+        if kind in self.seen:
+            return False
+        self.seen.add(kind)
+        record.msg, record.args = f"{message} (logged once per run)", ()
+        return True
+
+
+_ONCE = _OncePerKind()
+
+
+def reset_quiet_repeats() -> None:
+    """Let each kind through once more (a new run: the trainer calls it when it is built)."""
+    _ONCE.seen.clear()
+
+
+def quiet_repeats(module: str) -> None:
+    """Install :class:`_OncePerKind` on a pipeline module's logger (once)."""
+    logger = logging.getLogger(module)
+    if _ONCE not in logger.filters:
+        logger.addFilter(_ONCE)
+
+
 def unique_index(prompts: list[str]) -> tuple[list[str], list[int]]:
     """The distinct prompts in first-seen order, and each prompt's row among them (groups repeat a prompt G times)."""
     unique = list(dict.fromkeys(prompts))
@@ -89,6 +127,8 @@ class DiffusersFlowAdapter:
 
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
+        quiet_repeats(type(pipeline).__module__)
+        reset_quiet_repeats()
         # marble_trl.models.prompt_cache: a PromptEmbeddingCache when one is installed; True when the text encoders
         # live in CPU memory and visit the device to encode.
         self.prompt_cache = None

@@ -318,6 +318,7 @@ def score_rewards(
                 else:
                     extra[key] = logs.log_metric_for(name)
         start = time.perf_counter()
+        version = images._version if isinstance(images, torch.Tensor) else None
         try:
             values = fn(prompts=prompts, images=images, **columns, **extra)
         except RewardError:
@@ -327,11 +328,14 @@ def score_rewards(
         if inspect.isawaitable(values):  # an async reward: run with the others below
             pending.append((k, name, values))
             continue
+        check_images_unchanged(images, version, name)
         if timings is not None:
             timings[name] = time.perf_counter() - start
         _store(out, k, name, values, prompts)
     if pending:
+        version = images._version if isinstance(images, torch.Tensor) else None
         results = _await_all([awaitable for _, _, awaitable in pending])
+        check_images_unchanged(images, version, " or ".join(repr(name) for _, name, _ in pending), quoted=True)
         for (k, name, _), result in zip(pending, results):
             if isinstance(result, BaseException):
                 if isinstance(result, RewardError) or not isinstance(result, Exception):
@@ -342,6 +346,18 @@ def score_rewards(
                 timings[name] = seconds
             _store(out, k, name, values, prompts)
     return out
+
+
+def check_images_unchanged(images: Any, version: int | None, name: str, quoted: bool = False) -> None:
+    """A reward must not write into the images it gets: every later reward (and the logged samples) would see what it
+    wrote. torch counts in-place writes on a tensor (``_version``)."""
+    if version is not None and images._version != version:
+        who = name if quoted else repr(name)
+        raise RewardError(
+            f"Reward {who} modified the images it was given in place (e.g. `images.mul_(...)`, `images[...] = ...`): "
+            "the rewards after it would score the modified images. Work on a copy (`images = images.clone()`) or "
+            "use out-of-place operations."
+        )
 
 
 def _store(out: torch.Tensor, k: int, name: str, values: Any, prompts: list[str]) -> None:
