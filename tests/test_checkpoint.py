@@ -206,7 +206,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
         line = lines.get(timeout=max(1.0, deadline - time.monotonic()))
         assert line is not None, "".join(output[-50:])
         output.append(line)
-        if "'loss'" in line:
+        if " | loss " in line:  # the console's compact line of the first logged step
             break
     proc.send_signal(signal.SIGINT)  # ignored, as in any background job: it neither stops nor aborts the run
     proc.send_signal(signal.SIGTERM)
