@@ -53,3 +53,32 @@ def test_worker_times_the_released_procedure_and_counts_its_calls(tmp_path):
     # the old-policy and reference forwards of each pair
     assert record["grad_calls"] == 31 and record["no_grad_calls"] == 10 * (4 + 3 * 2)
     assert record["run_time"] > 0
+
+
+def _chaos():
+    path = Path(__file__).parents[1] / "benchmarks" / "chaos_soak.py"
+    spec = importlib.util.spec_from_file_location("chaos_soak", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_chaos_schedule_is_seeded_and_covers_every_phase():
+    chaos = _chaos()
+    plan = chaos.schedule(0, 10, 200)
+    assert plan == chaos.schedule(0, 10, 200) != chaos.schedule(1, 10, 200)
+    assert {phase for phase, _ in plan} == set(chaos.PHASES) and all(n >= 1 for _, n in plan)
+
+
+@pytest.mark.slow
+def test_chaos_soak_killed_runs_end_where_the_uninterrupted_run_ends(tmp_path):
+    """SIGKILL inside a checkpoint save (after the Trainer's files), at a MARBLE refresh and just before an optimizer
+    step, each resumed from the newest valid checkpoint: the final checkpoint and LoRA equal the uninterrupted run's
+    tensor for tensor (the soak's figure on a 6-step run)."""
+    figure = _chaos().soak(
+        tmp_path, steps=6, kills=0, seed=0, save_steps=3, eval_steps=3,
+        plan=[("save", 2), ("refresh", 1), ("optimizer", 2)],
+    )  # fmt: skip
+    assert [outcome.split(":")[0] for _, outcome in figure["events"]] == ["killed at save", "killed at refresh",
+                                                                          "killed at optimizer"]  # fmt: skip
+    assert figure["differing"] == []

@@ -93,6 +93,26 @@ def test_resume_after_stop_equals_uninterrupted_run(reference_run, tmp_path):
     assert "marble/alpha/brightness" in _logged(resumed.state.log_history, 5)  # a refresh after the resume
 
 
+def test_resuming_a_finished_checkpoint_trains_no_further_step(reference_run, tmp_path):
+    """A run killed after its last checkpoint (before its final files) and resumed: the Trainer alone would train a
+    step past max_steps; the resume restores the last checkpoint instead (the chaos soak found this)."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference_run.checkpoint(6), out / "checkpoint-6")
+    seen: list = []
+    resumed = make_trainer(out, rewards=recording(REWARDS, seen))
+    result = resumed.train(resume_from_checkpoint=True)
+    assert result.global_step == resumed.state.global_step == 6 and seen == []
+    for adapter, theirs in ((TRAIN_ADAPTER, reference_run.lora), (OLD_ADAPTER, reference_run.old_policy)):
+        mine = _lora(resumed, adapter)
+        assert all(torch.equal(mine[name], theirs[name]) for name in theirs), adapter
+    assert _logged(resumed.state.log_history, 6) == _logged(reference_run.log_history, 6)
+    assert result.training_loss == pytest.approx(
+        sum(reference_run.logged("loss")) / len(reference_run.logged("loss"))
+    )
+
+
 def test_checkpoint_refuses_other_rewards_and_incomplete_folders(reference_run, tmp_path):
     other = make_trainer(tmp_path / "other", rewards=[REWARDS[0], redness])
     with pytest.raises(ValueError, match="trained with rewards"):

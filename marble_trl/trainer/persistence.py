@@ -14,9 +14,12 @@ each ``transformers.Trainer`` hook it overrides delegates to :mod:`.checkpointin
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 
 import torch
+from transformers.trainer import TRAINER_STATE_NAME
 
 from ..artifacts import TRAINING_ARGS_FILE
 from ..console import torch_threads
@@ -31,6 +34,21 @@ from .checkpointing import (
     training_session,
 )
 from .publishing import card_info_from_trainer, init_repo, push_checkpoint, push_trainer, write_trainer_card
+
+
+logger = logging.getLogger(__name__)
+
+
+def finished_checkpoint_step(folder: str | None, max_steps: int) -> int | None:
+    """The global step of the resumed checkpoint when it already reached ``max_steps`` (> 0), else None."""
+    if folder is None or max_steps <= 0:
+        return None
+    path = os.path.join(folder, TRAINER_STATE_NAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        step = int(json.load(f).get("global_step", 0))
+    return step if step >= max_steps else None
 
 
 class PersistenceHooks:
@@ -68,7 +86,30 @@ class PersistenceHooks:
         """``transformers.Trainer.train``; SIGTERM / SIGINT write a checkpoint at the next step end and stop. Runs with
         ``torch_num_threads`` CPU threads when set (torch's count is restored afterwards)."""
         with torch_threads(self.args.torch_num_threads), training_session(self, resume_from_checkpoint) as resume:
+            finished = finished_checkpoint_step(resume, self.args.max_steps)
+            if finished is not None:
+                return self._restore_finished(resume, finished)
             return super().train(resume, *args, **kwargs)
+
+    def _restore_finished(self, folder: str, step: int):
+        """The resumed checkpoint already reached ``max_steps`` (a run stopped after its last checkpoint, before its
+        final files): restore it instead of training. ``transformers.Trainer.train`` would train one step past
+        ``max_steps``. Under DeepSpeed / FSDP the restore needs the prepared engine: refused with the way out."""
+        from transformers import TrainerState
+        from transformers.trainer_utils import TrainOutput
+
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(
+                f"{folder} is at step {step}, max_steps={self.args.max_steps}: nothing is left to train. Its trained "
+                f"LoRA is {folder}/pytorch_lora_weights.safetensors (`marble-trl export {folder}` writes the "
+                "diffusers folder); raise --max_steps to train on."
+            )
+        logger.warning("%s is at step %d = max_steps: nothing left to train; restoring it.", folder, step)
+        self._load_from_checkpoint(folder)
+        self.state = TrainerState.load_from_json(os.path.join(folder, TRAINER_STATE_NAME))
+        # train_loss: the mean logged loss (the Trainer's is the mean over the steps, logged after the checkpoint)
+        losses = [e["loss"] for e in self.state.log_history if "loss" in e]
+        return TrainOutput(step, sum(losses) / len(losses) if losses else float("nan"), {})
 
     def _save_checkpoint(self, model, trial) -> None:
         base = super()
