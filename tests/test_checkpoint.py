@@ -108,9 +108,7 @@ def test_resuming_a_finished_checkpoint_trains_no_further_step(reference_run, tm
         mine = _lora(resumed, adapter)
         assert all(torch.equal(mine[name], theirs[name]) for name in theirs), adapter
     assert _logged(resumed.state.log_history, 6) == _logged(reference_run.log_history, 6)
-    assert result.training_loss == pytest.approx(
-        sum(reference_run.logged("loss")) / len(reference_run.logged("loss"))
-    )
+    assert result.training_loss == pytest.approx(sum(reference_run.logged("loss")) / len(reference_run.logged("loss")))
 
 
 def test_checkpoint_refuses_other_rewards_and_incomplete_folders(reference_run, tmp_path):

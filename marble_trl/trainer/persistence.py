@@ -35,7 +35,6 @@ from .checkpointing import (
 )
 from .publishing import card_info_from_trainer, init_repo, push_checkpoint, push_trainer, write_trainer_card
 
-
 logger = logging.getLogger(__name__)
 
 
