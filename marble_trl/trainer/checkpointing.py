@@ -334,13 +334,15 @@ def save_emergency_checkpoint(trainer: Trainer, error: BaseException) -> str | N
     """After ``train()`` raised: write an atomic checkpoint of the last completed step (the state a step-end save
     would have written: a step interrupted midway changed no parameter), so the run resumes from there. Skipped
     before the first step, when that step's checkpoint exists, with non-finite weights (never saved), and with
-    several processes (a save is collective and the other processes may be stuck). Returns the folder or None."""
+    several processes unless every process failed at the same point (``error.all_processes``, set by
+    :func:`~marble_trl.trainer.step.fail_together`: a save is collective, and otherwise the other processes may be
+    stuck in a collective). Returns the folder or None."""
     step = trainer.state.global_step
     folder = Path(trainer.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
     reason = None
     if step == 0:
         reason = "no optimizer step was completed"
-    elif trainer.accelerator.num_processes > 1:
+    elif trainer.accelerator.num_processes > 1 and not getattr(error, "all_processes", False):
         reason = "a save needs every process, and with several processes the others may be stuck"
     elif getattr(trainer.nonfinite_guard, "stepped", False):
         # Saved under step N, the weights of step N + 1 (and a half-updated old policy) would resume wrongly.

@@ -72,6 +72,29 @@ class GatheredRewards:
     sources: list[Any] | None  # each sample's prompt source, or None without a source column
 
 
+class PeerFailure(RuntimeError):
+    """Raised on every process that did not fail itself when another process failed at the same point of the step
+    (see :func:`fail_together`)."""
+
+
+def fail_together(accelerator, error: BaseException | None, where: str) -> None:
+    """With several processes, a failure on one of them (a reward server down for one rank) would leave the others
+    waiting in the next collective until the launcher kills them. Every process reaches this point and agrees:
+    when any failed, all raise here together (the failed ones their own error, the others :class:`PeerFailure`),
+    each marked ``all_processes``, so the emergency checkpoint can still be written (a save is collective)."""
+    if accelerator.num_processes > 1:
+        flag = torch.tensor([0 if error is None else accelerator.process_index + 1], device=accelerator.device)
+        failed = [int(r) - 1 for r in gather(flag).cpu().tolist() if r > 0]
+        if failed and error is None:
+            error = PeerFailure(
+                f"process {failed[0]} failed while {where} (its error is in its log); every process stops here."
+            )
+        if error is not None:
+            error.all_processes = True
+    if error is not None:
+        raise error
+
+
 def gather_rewards(
     accelerator, rewards_local: torch.Tensor, prompts: list[str], micro: int, num_generations: int, sources=None
 ) -> GatheredRewards:

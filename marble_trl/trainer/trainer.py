@@ -95,6 +95,7 @@ from .setup import (
 )
 from .step import (
     MicroBatch,
+    fail_together,
     encode_prompts_and_negative,
     gather_rewards,
     global_batch_index,
@@ -320,16 +321,21 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         start = time.perf_counter()
         timings: dict[str, float] = {}
         reward_logs = RewardLogs()  # GRPO's trainer_state / log_extra / log_metric kwargs
-        rewards_local = score_rewards(
-            self.reward_funcs,
-            prompts,
-            images_all,
-            columns,
-            self.reward_names,
-            timings,
-            trainer_state=self.state,
-            logs=reward_logs,
-        )
+        failure = None
+        try:
+            rewards_local = score_rewards(
+                self.reward_funcs,
+                prompts,
+                images_all,
+                columns,
+                self.reward_names,
+                timings,
+                trainer_state=self.state,
+                logs=reward_logs,
+            )
+        except Exception as error:  # every process hears of it before the next collective and stops with it
+            failure = error
+        fail_together(self.accelerator, failure, "scoring the rewards")
         reward_time = time.perf_counter() - start
         logged, self.reward_extras = flush_reward_logs(self.accelerator, reward_logs, len(prompts))
         self._append_metrics(logged)
