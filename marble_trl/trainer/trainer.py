@@ -95,8 +95,8 @@ from .setup import (
 )
 from .step import (
     MicroBatch,
-    fail_together,
     encode_prompts_and_negative,
+    fail_together,
     gather_rewards,
     global_batch_index,
     make_micro_batches,
