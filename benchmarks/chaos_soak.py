@@ -2,8 +2,9 @@
 where the uninterrupted run ends (docs/checkpoints.md, "Faults and what survives them").
 
 A seeded schedule picks the moments: a phase (inside the rollouts, a reward call, a MARBLE refresh, just before the
-optimizer step, inside a checkpoint save, an evaluation) and the n-th call of it in the process's life
-(``tests/dist/chaos_child.py`` stops there and this script SIGKILLs its whole process group). After each kill the run
+optimizer step, inside a checkpoint save, an evaluation) and a step of the run
+(``tests/dist/chaos_child.py`` stops at the first call of the phase once the run has completed that many steps,
+and this script SIGKILLs its whole process group). After each kill the run
 restarts with ``--resume_from_checkpoint true`` (the newest valid checkpoint). The final checkpoint's trained LoRA,
 old policy, parameter EMA, optimizer and scheduler states and MARBLE balancer state are compared with the
 uninterrupted run's, tensor by tensor (``torch.equal``); the figure is the kills survived and the differing tensors.
@@ -98,13 +99,15 @@ def run_until(cmd: list[str], env: dict[str, str], marker: Path, kill: tuple[str
     return "finished"
 
 
-def schedule(seed: int, kills: int, steps: int, phases=PHASES) -> list[tuple[str, int]]:
-    """``kills`` (phase, n) moments, every phase at least once when there are enough kills (seeded)."""
+def schedule(seed: int, kills: int, steps: int, margin: int = 10, phases=PHASES) -> list[tuple[str, int]]:
+    """``kills`` (phase, step) moments at increasing steps spread over the run (each run resumes at most
+    ``save_steps`` back), every phase at least once when there are enough kills (seeded). ``margin``: no kill in
+    the last steps, where a save or an evaluation might not come any more."""
     rng = random.Random(seed)
     picks = list(phases) * (kills // len(phases)) + rng.sample(list(phases), kills % len(phases))
     rng.shuffle(picks)
-    # the n-th call within one process's life: early enough that the process gets there
-    return [(phase, rng.randint(1, max(1, steps // (4 if phase in ("save", "eval") else 2)))) for phase in picks]
+    at = sorted(rng.sample(range(1, max(2, steps - margin)), kills))
+    return list(zip(picks, at))
 
 
 def final_state(folder: Path) -> dict[str, object]:
@@ -151,7 +154,7 @@ def soak(root: Path, steps: int, kills: int, seed: int, processes: int = 1, acce
     run_until(command(train_args(reference, steps, save_steps, eval_steps), processes, accelerate_config), env,
               root / "marker", None, timeout)  # fmt: skip
     events = []
-    for kill in plan if plan is not None else schedule(seed, kills, steps):
+    for kill in plan if plan is not None else schedule(seed, kills, steps, max(save_steps, eval_steps)):
         args = train_args(chaos, steps, save_steps, eval_steps)
         if any(chaos.glob("checkpoint-*")):
             args += ["--resume_from_checkpoint", "true"]
@@ -184,7 +187,7 @@ def main() -> None:
     start = time.perf_counter()
     figure = soak(root, args.steps, args.kills, args.seed, args.processes, args.accelerate_config)
     for (phase, n), outcome in figure["events"]:
-        print(f"  kill at {phase} #{n}: {outcome}")
+        print(f"  kill at {phase} after step {n}: {outcome}")
     print(
         f"{figure['kills']} of {figure['planned']} kills survived ({args.steps} steps, {args.processes} process(es), "
         f"seed {args.seed}); tensors differing from the uninterrupted run: {len(figure['differing'])} "

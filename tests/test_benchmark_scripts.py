@@ -67,18 +67,21 @@ def test_chaos_schedule_is_seeded_and_covers_every_phase():
     chaos = _chaos()
     plan = chaos.schedule(0, 10, 200)
     assert plan == chaos.schedule(0, 10, 200) != chaos.schedule(1, 10, 200)
-    assert {phase for phase, _ in plan} == set(chaos.PHASES) and all(n >= 1 for _, n in plan)
+    assert {phase for phase, _ in plan} == set(chaos.PHASES)
+    steps = [n for _, n in plan]
+    assert steps == sorted(set(steps)) and 1 <= steps[0] and steps[-1] < 190  # spread, before the last steps
 
 
 @pytest.mark.slow
 def test_chaos_soak_killed_runs_end_where_the_uninterrupted_run_ends(tmp_path):
-    """SIGKILL inside a checkpoint save (after the Trainer's files), at a MARBLE refresh and just before an optimizer
-    step, each resumed from the newest valid checkpoint: the final checkpoint and LoRA equal the uninterrupted run's
+    """SIGKILL inside the last checkpoint save (after the Trainer's files), at a MARBLE refresh and just before an
+    optimizer step, each resumed from the newest valid checkpoint: the final checkpoint and LoRA equal the uninterrupted run's
     tensor for tensor (the soak's figure on a 6-step run)."""
     figure = _chaos().soak(
         tmp_path, steps=6, kills=0, seed=0, save_steps=3, eval_steps=3,
-        plan=[("save", 2), ("refresh", 1), ("optimizer", 2)],
+        plan=[("save", 4), ("refresh", 3), ("optimizer", 4)],
     )  # fmt: skip
-    assert [outcome.split(":")[0] for _, outcome in figure["events"]] == ["killed at save", "killed at refresh",
-                                                                          "killed at optimizer"]  # fmt: skip
+    outcomes = [outcome.split(" (pid")[0] for _, outcome in figure["events"]]
+    assert outcomes == ["killed at save after step 6", "killed at refresh after step 3",
+                        "killed at optimizer after step 4"]  # fmt: skip
     assert figure["differing"] == []

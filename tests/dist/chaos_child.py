@@ -1,7 +1,8 @@
 """``marble-trl train`` that stops itself at a chosen moment so that its parent SIGKILLs it there (the chaos soak).
 
-``MARBLE_CHAOS="phase:n"``: at the n-th call (1-based, in this process) of ``phase`` the process writes
-``MARBLE_CHAOS_MARKER`` and waits; the parent, polling for the marker, kills the whole process group with SIGKILL.
+``MARBLE_CHAOS="phase:step"``: at the first call of ``phase`` once the run has completed ``step`` optimizer steps
+(``trainer.state.global_step``; the steps of the resumed checkpoint count) the process writes ``MARBLE_CHAOS_MARKER``
+and waits; the parent, polling for the marker, kills the whole process group with SIGKILL.
 Phases: ``rollout`` (the step's sampling), ``reward`` (the reward call), ``refresh`` (MARBLE's QP at a refresh),
 ``optimizer`` (just before the optimizer step), ``save`` (inside a checkpoint save, after the Trainer's files, before
 the manifest), ``eval`` (an evaluation). Without ``MARBLE_CHAOS`` it is plain ``marble-trl train``.
@@ -18,16 +19,16 @@ def _install() -> None:
     spec = os.environ.get("MARBLE_CHAOS")
     if not spec:
         return
-    phase, n = spec.split(":")
-    n = int(n)
+    phase, step = spec.split(":")
+    step = int(step)
     marker = os.environ["MARBLE_CHAOS_MARKER"]
-    calls: dict[str, int] = {}
+    trainers = []
 
     def hit(name: str) -> None:
-        calls[name] = calls.get(name, 0) + 1
-        if name == phase and calls[name] == n:
+        now = trainers[-1].state.global_step if trainers else -1
+        if name == phase and now >= step:
             with open(marker, "w") as f:
-                f.write(f"{name}:{n}:{os.getpid()}")
+                f.write(f"{name} after step {now} (pid {os.getpid()})")
             while True:  # the parent kills the process group
                 time.sleep(1)
 
@@ -46,6 +47,13 @@ def _install() -> None:
     import marble_trl.trainer.checkpointing as checkpointing
     import marble_trl.trainer.trainer as trainer
 
+    init = trainer.MarbleDiffusionNFTTrainer.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        trainers.append(self)
+
+    trainer.MarbleDiffusionNFTTrainer.__init__ = keep
     wrap(trainer, "rollouts", "rollout")
     wrap(trainer, "score_rewards", "reward")
     wrap(marble.MarbleBalancer, "refresh", "refresh")
