@@ -4,7 +4,7 @@ where the uninterrupted run ends (docs/checkpoints.md, "Faults and what survives
 A seeded schedule picks the moments: a phase (inside the rollouts, a reward call, a MARBLE refresh, just before the
 optimizer step, inside a checkpoint save, an evaluation) and a step of the run
 (``tests/dist/chaos_child.py`` stops at the first call of the phase once the run has completed that many steps,
-and this script SIGKILLs its whole process group). After each kill the run
+and this script SIGKILLs it and every process below it). After each kill the run
 restarts with ``--resume_from_checkpoint true`` (the newest valid checkpoint). The final checkpoint's trained LoRA,
 old policy, parameter EMA, optimizer and scheduler states and MARBLE balancer state are compared with the
 uninterrupted run's, tensor by tensor (``torch.equal``); the figure is the kills survived and the differing tensors.
@@ -18,6 +18,7 @@ uninterrupted run's, tensor by tensor (``torch.equal``); the figure is the kills
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -75,27 +76,54 @@ def _env(processes: int, accelerate_config: str | None) -> dict[str, str]:
     return env
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc): torchrun starts its workers in sessions of their own, so killing the
+    launcher's process group would leave them running."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (the tree is read first, so nothing is orphaned unseen)."""
+    for target in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+
+
 def run_until(cmd: list[str], env: dict[str, str], marker: Path, kill: tuple[str, int] | None, timeout: float) -> str:
-    """Run ``cmd``; with ``kill``, SIGKILL its process group once it reaches that moment. Returns "killed at ...",
+    """Run ``cmd``; with ``kill``, SIGKILL it and its descendants once it reaches that moment. Returns "killed at ...",
     "finished" or raises on a failure that is not a kill."""
     marker.unlink(missing_ok=True)
+    log = marker.with_name(f"launch-{len(list(marker.parent.glob('launch-*.log')))}.log")
     env = dict(env)
     if kill is not None:
         env.update(MARBLE_CHAOS=f"{kill[0]}:{kill[1]}", MARBLE_CHAOS_MARKER=str(marker))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log, "wb") as out:  # the whole output of each launch stays beside the marker for a post-mortem
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout
     while proc.poll() is None:
         if marker.is_file():
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
             return f"killed at {marker.read_text()}"
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             raise TimeoutError(f"{cmd} ran past {timeout} s")
         time.sleep(0.05)
-    output = proc.stdout.read().decode(errors="replace")
     if proc.returncode != 0:
-        raise RuntimeError(f"exit {proc.returncode}:\n{output[-4000:]}")
+        output = log.read_text(errors="replace")
+        raise RuntimeError(f"exit {proc.returncode} (whole output: {log}):\n{output[-4000:]}")
     return "finished"
 
 

@@ -2,7 +2,7 @@
 
 ``MARBLE_CHAOS="phase:step"``: at the first call of ``phase`` once the run has completed ``step`` optimizer steps
 (``trainer.state.global_step``; the steps of the resumed checkpoint count) the process writes ``MARBLE_CHAOS_MARKER``
-and waits; the parent, polling for the marker, kills the whole process group with SIGKILL.
+and waits; the parent, polling for the marker, SIGKILLs the launch and every process below it.
 Phases: ``rollout`` (the step's sampling), ``reward`` (the reward call), ``refresh`` (MARBLE's QP at a refresh),
 ``optimizer`` (just before the optimizer step), ``save`` (inside a checkpoint save, after the Trainer's files, before
 the manifest), ``eval`` (an evaluation). Without ``MARBLE_CHAOS`` it is plain ``marble-trl train``.
@@ -29,7 +29,7 @@ def _install() -> None:
         if name == phase and now >= step:
             with open(marker, "w") as f:
                 f.write(f"{name} after step {now} (pid {os.getpid()})")
-            while True:  # the parent kills the process group
+            while True:  # the parent kills this process
                 time.sleep(1)
 
     def wrap(owner, attr: str, name: str) -> None:
