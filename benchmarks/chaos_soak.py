@@ -138,19 +138,29 @@ def schedule(seed: int, kills: int, steps: int, margin: int = 10, phases=PHASES)
     return list(zip(picks, at))
 
 
+def _flatten(prefix: str, value: object, out: dict[str, object]) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _flatten(f"{prefix}.{key}", item, out)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _flatten(f"{prefix}.{index}", item, out)
+    else:
+        out[prefix] = value
+
+
 def final_state(folder: Path) -> dict[str, object]:
-    """Every tensor (and the balancer state) of a checkpoint, by file."""
+    """Every tensor and value of a checkpoint, by file: the adapters, the EMA, the optimizer and scheduler states
+    (the Trainer's ``optimizer.pt`` or DeepSpeed's partitioned files under ``global_step*/``), the RNG states and the
+    balancer state."""
     from safetensors.torch import load_file
 
     state: dict[str, object] = {}
     for name in ("pytorch_lora_weights.safetensors", "old_policy_lora.safetensors", "param_ema.safetensors"):
         for key, value in load_file(str(folder / name)).items():
             state[f"{name}:{key}"] = value
-    optimizer = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=False)
-    for index, values in optimizer["state"].items():
-        for key, value in values.items():
-            state[f"optimizer:{index}:{key}"] = value
-    state["scheduler"] = torch.load(folder / "scheduler.pt", map_location="cpu", weights_only=False)
+    for path in sorted(folder.rglob("*.pt*")):
+        _flatten(str(path.relative_to(folder)), torch.load(path, map_location="cpu", weights_only=False), state)
     state["balancer"] = json.loads((folder / "marble_balancer.json").read_text())
     return state
 
@@ -166,7 +176,14 @@ def differences(a: dict[str, object], b: dict[str, object]) -> list[str]:
     out = sorted(set(a) ^ set(b))
     for key in sorted(set(a) & set(b)):
         x, y = a[key], b[key]
-        same = torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            same = x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        elif type(x).__module__ == "numpy":  # NumPy's RNG state
+            import numpy as np
+
+            same = bool(np.array_equal(x, y))
+        else:
+            same = x == y
         if not same:
             out.append(key)
     return out
