@@ -42,7 +42,7 @@ def _import_builtins() -> None:
     # Importing the modules registers their rewards; heavy dependencies inside them are imported lazily.
     from . import jpeg, shapes, simple, video  # noqa: F401
 
-    for optional in ("ocr", "clip_family", "hpsv2", "imagereward", "http"):
+    for optional in ("ocr", "clip_family", "hpsv2", "imagereward", "http", "geneval"):
         try:
             importlib.import_module(f"{__package__}.{optional}")
         except ModuleNotFoundError as err:
