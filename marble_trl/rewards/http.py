@@ -19,7 +19,9 @@ import base64
 import http.client
 import io
 import json
+import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -35,6 +37,7 @@ from .base import dataset_columns
 from .images import to_pil
 from .registry import register_reward
 
+logger = logging.getLogger(__name__)
 _FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG"}
 
 
@@ -48,7 +51,8 @@ def encode_images(images: torch.Tensor, image_format: str = "png", jpeg_quality:
     out = []
     for im in to_pil(images):
         buf = io.BytesIO()
-        im.save(buf, format=fmt, **({"quality": jpeg_quality} if fmt == "JPEG" else {}))
+        # PNG at compression level 1: lossless like the default (6), 5x faster to encode at 512 px, ~28% larger
+        im.save(buf, format=fmt, **({"quality": jpeg_quality} if fmt == "JPEG" else {"compress_level": 1}))
         out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
     return out
 
@@ -169,7 +173,10 @@ class HTTPReward:
         image_format: ``"png"`` (default, lossless) or ``"jpeg"`` (smaller; quality ``jpeg_quality``, default 95).
         batch_size: samples per request (default: the whole batch in one request).
         columns: dataset columns to send as ``metadata`` (default: all that the trainer passes).
-        headers: extra HTTP headers (e.g. ``{"Authorization": "Bearer ..."}``).
+        headers: extra HTTP headers. Secrets here are recorded with the run's configuration (checkpoint manifests,
+            ``training_args.bin``, trackers): pass a token with ``token_env`` instead.
+        token_env: the name of an environment variable holding a bearer token (``marble-trl serve-reward --token``):
+            sent as ``Authorization: Bearer <token>``; only the variable's name is recorded.
     """
 
     def __init__(
@@ -185,6 +192,7 @@ class HTTPReward:
         batch_size: int | None = None,
         columns: Sequence[str] | None = None,
         headers: dict[str, str] | None = None,
+        token_env: str | None = None,
     ) -> None:
         if not url or not str(url).startswith(("http://", "https://")):
             raise ValueError(f"Reward {name!r}: url must start with http:// or https://, got {url!r}.")
@@ -205,6 +213,21 @@ class HTTPReward:
         self.batch_size = batch_size
         self.columns = list(columns) if columns is not None else None
         self.headers = {"Content-Type": "application/json", **(headers or {})}
+        if any(k.lower() == "authorization" for k in (headers or {})):
+            logger.warning(
+                "Reward %r: an Authorization header in reward_kwargs is recorded with the run's configuration "
+                "(checkpoints, training_args.bin, trackers); pass the token through an environment variable with "
+                "token_env instead.",
+                name,
+            )
+        if token_env is not None:
+            token = os.environ.get(str(token_env))
+            if not token:
+                raise ValueError(
+                    f"Reward {name!r}: token_env={token_env!r} but the environment variable {token_env} is not set "
+                    "(or empty) in this process; export it on every node before launching."
+                )
+            self.headers["Authorization"] = f"Bearer {token}"
 
     def __repr__(self) -> str:
         return f"HTTPReward(name={self.__name__!r}, url={self.url!r})"
@@ -382,10 +405,7 @@ class HTTPReward:
         return scores
 
 
-@register_reward("geneval", factory=True)
-def geneval(url: str, name: str = "geneval", **options: Any) -> HTTPReward:
-    """GenEval served over HTTP (an :class:`HTTPReward` logged as ``geneval``; the server reads ``metadata``)."""
-    return HTTPReward(url, name=name, **options)
+# `geneval` (a GenEval server with `url`, else in-process) is registered by the geneval package.
 
 
 @register_reward("unifiedreward", factory=True)
