@@ -1,8 +1,11 @@
 """Prompt sources: one or several prompt datasets mixed into one ``datasets.Dataset``.
 
 A source is a prompt file (``.txt`` one prompt per line, ``.json`` / ``.jsonl`` / ``.csv`` / ``.parquet``), the
-bundled tiny prompt file (``"bundled"``), or a Hub dataset id (loaded with ``datasets.load_dataset``). Every column
-other than the prompt reaches the reward functions (GenEval metadata, the text to render, ...).
+bundled tiny prompt file (``"bundled"``), the ShapesBench world (``"shapes"``, ...), a paper's prompt set by name
+(``"pickscore"``, ``"ocr_test"``, ...: downloaded once and verified, :mod:`marble_trl.prompt_sets`), or a Hub
+dataset id (loaded with ``datasets.load_dataset``). Every column other than the prompt reaches the reward functions
+(GenEval metadata, the text to render, ...). A named mixture (``"marble_5rewards"``) is a list of sources:
+:func:`named_mixture`.
 
 Several sources are concatenated into one dataset with a ``source`` column (the source's ``name``); a column that
 only some sources have is ``None`` in the rows of the others. Sampling shares are not encoded in the dataset: pass
@@ -24,6 +27,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from .prompt_sets import MIXTURES, PROMPT_SETS, local_file
 from .shapesbench.world import FAMILIES
 
 logger = logging.getLogger(__name__)
@@ -37,8 +41,9 @@ class PromptSource:
     """One prompt source of a mixture (a dataclass, so it reads from YAML dicts).
 
     Args:
-        path: ``"bundled"``, a local ``.txt`` / ``.json`` / ``.jsonl`` / ``.csv`` / ``.parquet`` file, or a Hub
-            dataset id.
+        path: ``"bundled"``, ``"shapes"`` / ``"shapes_<family>"`` / ``"shapes_eval"``, a prompt set's name
+            (:data:`~marble_trl.prompt_sets.PROMPT_SETS`), a local ``.txt`` / ``.json`` / ``.jsonl`` / ``.csv`` /
+            ``.parquet`` file, or a Hub dataset id.
         ratio: share of the prompts drawn from this source (normalised over the mixture). Set it for every source
             or for none (none: rows drawn uniformly, each source in proportion to its size).
         name: label in the ``source`` column and in the per-source metrics (default: the file stem or the last part
@@ -170,6 +175,20 @@ def normalise_ratios(ratios: Mapping[str, float], what: str = "ratios") -> dict[
 SHAPES_SOURCES = ("shapes", "shapes_eval", *(f"shapes_{f}" for f in FAMILIES))
 
 
+def named_mixture(name: str | None) -> list[PromptSource] | None:
+    """The sources of a named mixture (``marble_5rewards``, ``marble_5rewards_test``: :mod:`marble_trl.prompt_sets`),
+    or ``None`` when ``name`` is not one."""
+    if name not in MIXTURES:
+        return None
+    return as_sources([dict(spec) for spec in MIXTURES[name]])
+
+
+def is_builtin(path: str) -> bool:
+    """Whether ``path`` names a source the package provides (``bundled``, ShapesBench, a prompt set or a mixture)
+    rather than a file or a Hub dataset."""
+    return path == "bundled" or path in SHAPES_SOURCES or path in PROMPT_SETS or path in MIXTURES
+
+
 def load_source(source: PromptSource | str | Mapping):
     """One source as a ``datasets.Dataset`` whose first column is ``prompt`` (plus its extra columns)."""
     from .data import check_prompt_dataset, load_prompt_dataset
@@ -179,7 +198,12 @@ def load_source(source: PromptSource | str | Mapping):
     local = Path(path).expanduser()
     suffix = local.suffix.lstrip(".").lower()
     origin = path
-    if path in SHAPES_SOURCES:
+    if path in PROMPT_SETS:  # a paper's prompt set: the verified cached copy, downloaded on first use
+        entry = PROMPT_SETS[path]
+        file = local_file(path)
+        dataset = load_prompt_dataset(str(file)) if entry.format == "txt" else _load_file(source.name, file, "jsonl")
+        origin = f"prompt set {path!r} ({entry.provenance})"
+    elif path in SHAPES_SOURCES:
         from .shapesbench.world import eval_dataset, family_dataset, train_dataset
 
         if path == "shapes":
@@ -189,6 +213,11 @@ def load_source(source: PromptSource | str | Mapping):
         else:
             dataset = family_dataset(path[len("shapes_") :])
         origin = f"the ShapesBench world ({path})"
+    elif path in MIXTURES:
+        raise ValueError(
+            f"Prompt source {source.name!r}: {path!r} is a named mixture, not one source: set dataset_name: {path} (or "
+            f"eval_dataset_name), or list its sources in dataset_mixture ({[dict(s) for s in MIXTURES[path]]})."
+        )
     elif path == "bundled" or suffix == "txt":
         dataset = load_prompt_dataset(path)
         origin = str(local) if path != "bundled" else "the bundled prompt file"
@@ -201,8 +230,8 @@ def load_source(source: PromptSource | str | Mapping):
         origin = str(local)
     elif local.exists() or path.startswith((".", "/", "~")) or path.count("/") > 1:
         raise FileNotFoundError(
-            f"Prompt source {source.name!r}: {path!r} is neither an existing .txt/.json/.jsonl/.csv/.parquet file nor "
-            "a Hub dataset id ('org/name')."
+            f"Prompt source {source.name!r}: {path!r} is neither an existing .txt/.json/.jsonl/.csv/.parquet file, a "
+            f"named prompt set ({', '.join(PROMPT_SETS)}) nor a Hub dataset id ('org/name')."
         )
     else:
         from datasets import load_dataset
@@ -365,9 +394,9 @@ def load_prompt_sources(specs, add_source_column: bool | None = None):
             owner.setdefault(column, source.name)
     aligned = []
     for source, dataset in zip(sources, datasets):
-        for column, feature in union.items():
-            if column not in dataset.column_names:
-                dataset = dataset.add_column(column, [None] * len(dataset), feature=feature)
+        for column in union:
+            if column not in dataset.column_names:  # nulls, cast below (pyarrow builds no extension-type column, such
+                dataset = dataset.add_column(column, [None] * len(dataset))  # as GenEval's Json, from None)
         dataset = dataset.select_columns(list(union))
         if dataset.features != Features(union):
             dataset = dataset.cast(Features(union))

@@ -2,7 +2,10 @@
 model, with its own solver, schedule, savers, sample grid and evaluation.
 
 The only overrides are :data:`OVERRIDES` (and the reward stand-ins of :data:`STANDINS`), listed once here; everything
-else runs as written. A new recipe is covered without editing this file (its family comes from its Hub id:
+else runs as written. Prompts the package names (``bundled``, ShapesBench, the papers' prompt sets and mixtures such
+as ``marble_5rewards``) are resolved by the real loader: the prompt sets from a cache holding synthetic files whose
+digests the registry is pointed at (tests/prompt_set_stub.py), so nothing is downloaded; a file of the user's is
+replaced by offline prompts. A new recipe is covered without editing this file (its family comes from its Hub id:
 ``FlowModelAdapter.hub_ids``). Stand-ins keep the recipe's reward names, number and options (ignored) and return
 ``None`` exactly where the real reward does not apply (OCR: no quoted text; GenEval: no GenEval metadata).
 """
@@ -10,16 +13,20 @@ else runs as written. A new recipe is covered without editing this file (its fam
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from prompt_set_stub import install_synthetic
 
 from marble_trl.cli import main
 from marble_trl.models import family_of
+from marble_trl.prompt_sets import MIXTURES
 from marble_trl.rewards import registry
 from marble_trl.rewards.ocr import quoted_text
+from marble_trl.sources import default_source_name, is_builtin
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -84,6 +91,11 @@ PROMPTS = [
 ]
 
 
+def _users_file(path: str) -> bool:
+    """A prompt file the recipe's user provides (not one the package names, not one in the repository)."""
+    return not is_builtin(path) and not Path(path).exists()
+
+
 def _overrides(recipe: dict, tmp_path: Path) -> dict:
     """Every override of one recipe (the family's tiny model, the offline prompts where it names a file of its
     user's, the sizes) as ``--field value`` pairs."""
@@ -92,15 +104,15 @@ def _overrides(recipe: dict, tmp_path: Path) -> dict:
     if model not in OFFLINE_MODELS:
         out["model_name_or_path"] = family_of(model).tiny_name
         out.update({k: v for k, v in SWAPPED_MODEL.items() if k != "num_frames" or "num_frames" in recipe})
-    if "dataset_name" in recipe and not Path(recipe["dataset_name"]).exists() and recipe["dataset_name"] != "bundled":
+    if "dataset_name" in recipe and _users_file(recipe["dataset_name"]):
         prompts = tmp_path / "prompts.jsonl"
         prompts.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
         out["dataset_name"] = str(prompts)
     mixture = recipe.get("dataset_mixture") or []
-    if any(not Path(source["path"]).exists() for source in mixture if isinstance(source, dict)):
+    if any(_users_file(source["path"]) for source in mixture if isinstance(source, dict)):
         specs = []  # each source a file of the offline prompts under the source's name, with the recipe's ratio
         for source in mixture:
-            path = tmp_path / f"{source['name']}.jsonl"
+            path = tmp_path / f"{source.get('name') or default_source_name(source['path'])}.jsonl"
             path.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
             specs.append(f"{path}={source['ratio']}" if "ratio" in source else str(path))
         out["dataset_mixture"] = specs
@@ -124,6 +136,22 @@ def standins(monkeypatch):
         monkeypatch.setitem(registry._REGISTRY, name, (_standin(name, applies), True))
 
 
+@pytest.fixture
+def prompt_sets(monkeypatch, tmp_path):
+    """The named prompt sets as synthetic files in a cache the registry trusts (the suite is offline)."""
+    return install_synthetic(monkeypatch, tmp_path / "prompt-sets")
+
+
+def _named_sources(recipe: dict) -> set[str]:
+    """The source labels of a recipe whose prompts are a named mixture or a mixture of named prompt sets."""
+    if recipe.get("dataset_name") in MIXTURES:
+        return {spec["name"] for spec in MIXTURES[recipe["dataset_name"]]}
+    mixture = [s for s in recipe.get("dataset_mixture") or [] if isinstance(s, dict)]
+    if mixture and not any(_users_file(s["path"]) for s in mixture):
+        return {s.get("name") or default_source_name(s["path"]) for s in mixture}
+    return set()
+
+
 def test_every_recipe_reward_is_offline_or_has_a_standin():
     names = {n for r in RECIPES for n in yaml.safe_load(r.read_text())["reward_funcs"]}
     offline = {n for n in names if n.startswith("shapes_")} | {"brightness", "contrast", "temporal_consistency"}
@@ -133,7 +161,7 @@ def test_every_recipe_reward_is_offline_or_has_a_standin():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_recipe_trains_as_written_on_its_family_tiny_model(recipe, tmp_path, standins, capsys):
+def test_recipe_trains_as_written_on_its_family_tiny_model(recipe, tmp_path, standins, prompt_sets, capsys):
     raw = yaml.safe_load(recipe.read_text())
     overrides = _overrides(raw, tmp_path)
     main(["train", "--config", str(recipe), *_flags(overrides)])
@@ -147,6 +175,12 @@ def test_recipe_trains_as_written_on_its_family_tiny_model(recipe, tmp_path, sta
     rewards = raw["reward_funcs"]
     for name in rewards:  # every reward scored (a specialist's mean is absent when no prompt of a step applies)
         assert any(f"rewards/{name}/frac_not_applicable" in entry for entry in steps), name
+    sources = _named_sources(raw)
+    if sources:  # the mixture was loaded as written: per-source metrics under the recipe's source names only
+        logged_sources = {
+            k.split("/")[2] for entry in steps for k in entry if re.fullmatch(r"rewards/[^/]+/[^/]+/mean", k)
+        }
+        assert logged_sources and logged_sources <= sources, (logged_sources, sources)
     if raw.get("sample_grid_prompts", 4):
         assert (out / "samples_before_after.png").is_file()
     if raw.get("eval_before_after"):

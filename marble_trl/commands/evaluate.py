@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from .train import DTYPES
@@ -33,8 +34,9 @@ def _evaluate_parser() -> argparse.ArgumentParser:
         "--prompts",
         nargs="+",
         default=["bundled"],
-        help="Prompt source(s): 'bundled', a .txt/.json/.jsonl/.csv/.parquet file or a Hub dataset id (several: "
-        "concatenated, with a 'source' column).",
+        help="Prompt source(s): 'bundled', a prompt set ('drawbench', 'pickscore_test', 'ocr_test', 'geneval_test', "
+        "...: `marble-trl datasets list`), the mixture 'marble_5rewards_test', a .txt/.json/.jsonl/.csv/.parquet "
+        "file or a Hub dataset id (several: concatenated, with a 'source' column).",
     )
     p.add_argument("--split", default="test", help="Split of a Hub dataset id.")
     p.add_argument("--prompt_column", default="prompt", help="Column holding the prompts.")
@@ -66,7 +68,7 @@ def evaluate_command(argv: list[str]) -> list[dict]:
 
     from ..evaluation import EvalSettings, evaluate_models, model_specs
     from ..scores import markdown_table
-    from ..sources import PromptSource, load_prompt_sources
+    from ..sources import PromptSource, load_prompt_sources, named_mixture
 
     a = _evaluate_parser().parse_args(argv)
     try:
@@ -80,10 +82,10 @@ def evaluate_command(argv: list[str]) -> list[dict]:
         seed=a.seed, batch_size=a.batch_size, grid_prompts=a.grid_prompts, reward_kwargs=reward_kwargs,
     )  # fmt: skip
     models = model_specs(a.lora, include_base=not a.no_base, weight_name=a.weight_name)
-    sources = [
-        PromptSource(path=path, split=a.split, prompt_column=a.prompt_column, max_prompts=a.max_prompts)
-        for path in a.prompts
-    ]
+    sources = []
+    for path in a.prompts:  # a named mixture contributes its sources (labelled as the mixture labels them)
+        for source in named_mixture(path) or [PromptSource(path=path, split=a.split, prompt_column=a.prompt_column)]:
+            sources.append(dataclasses.replace(source, max_prompts=a.max_prompts))
     dataset = load_prompt_sources(sources)
     dtype = None if a.torch_dtype == "auto" else getattr(torch, a.torch_dtype)
     results = evaluate_models(

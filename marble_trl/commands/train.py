@@ -36,8 +36,10 @@ class MarbleScriptArguments:
         default="bundled",
         metadata={
             "help": "Prompts: 'bundled' (the packaged prompt file), 'shapes' / 'shapes_eval' / 'shapes_<family>' (the "
-            "ShapesBench world, with its metadata columns), a .txt file (one prompt per line), a "
-            ".json/.jsonl/.csv/.parquet file or a Hub dataset id with a 'prompt' column."
+            "ShapesBench world, with its metadata columns), a paper's prompt set ('pickscore', 'ocr', 'geneval', their "
+            "'_test' splits, 'drawbench': downloaded once, verified and cached; `marble-trl datasets list`), the named "
+            "mixture 'marble_5rewards' (pickscore, ocr and geneval in equal shares per step), a .txt file (one prompt "
+            "per line), a .json/.jsonl/.csv/.parquet file or a Hub dataset id with a 'prompt' column."
         },
     )
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on (Hub dataset ids)."})
@@ -55,8 +57,9 @@ class MarbleScriptArguments:
     eval_dataset_name: str | None = field(
         default=None,
         metadata={
-            "help": "Prompts for evaluation during training (eval_strategy / eval_steps): 'bundled', a file or a Hub "
-            "dataset id, like dataset_name."
+            "help": "Prompts for evaluation during training (eval_strategy / eval_steps), like dataset_name: 'bundled', "
+            "a prompt set (e.g. 'drawbench', 'geneval_test'), the mixture 'marble_5rewards_test' (the three test "
+            "splits, with a 'source' column), a file or a Hub dataset id."
         },
     )
     dataset_test_split: str = field(default="test", metadata={"help": "Split of eval_dataset_name (Hub dataset ids)."})
@@ -104,20 +107,26 @@ class MarbleScriptArguments:
 
 
 def load_train_dataset(name: str, split: str = "train", prompt_column: str = "prompt"):
-    """Load the prompt dataset named by ``dataset_name`` (see :func:`marble_trl.sources.load_source`)."""
-    from ..sources import PromptSource, load_source
+    """Load the prompt dataset named by ``dataset_name`` (see :func:`marble_trl.sources.load_source`); a named mixture
+    (``marble_5rewards_test``) is its sources concatenated with a ``source`` column."""
+    from ..sources import PromptSource, load_prompt_sources, load_source, named_mixture
 
+    mixture = named_mixture(name)
+    if mixture is not None:
+        return load_prompt_sources(mixture, add_source_column=True)
     return load_source(PromptSource(path=name, split=split, prompt_column=prompt_column))
 
 
 def load_script_datasets(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTConfig):
-    """The train dataset (``dataset_name`` or ``dataset_mixture``, whose ratios become ``source_ratios``) and the
-    eval dataset (``eval_dataset_name``, or ``None``)."""
-    from ..sources import load_prompt_sources, mixture_ratios
+    """The train dataset (``dataset_name`` or ``dataset_mixture``, whose ratios become ``source_ratios``; a named
+    mixture in ``dataset_name`` counts as a ``dataset_mixture``) and the eval dataset (``eval_dataset_name``, or
+    ``None``)."""
+    from ..sources import load_prompt_sources, mixture_ratios, named_mixture
 
-    if script_args.dataset_mixture:
-        dataset = load_prompt_sources(script_args.dataset_mixture, add_source_column=True)
-        ratios = mixture_ratios(script_args.dataset_mixture)
+    mixture = script_args.dataset_mixture or named_mixture(script_args.dataset_name)
+    if mixture:
+        dataset = load_prompt_sources(mixture, add_source_column=True)
+        ratios = mixture_ratios(mixture)
         if ratios is not None:
             if training_args.source_ratios is not None and training_args.source_ratios != ratios:
                 raise ValueError(
