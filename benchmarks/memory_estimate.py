@@ -4,6 +4,9 @@ Parameter counts are exact: every model is built on the meta device from its pub
 transformer from METHOD.md section 6; the VAE, CLIP-L, CLIP-G (bigG), T5-XXL encoder and the reward models' CLIPs from
 their configs) and the LoRA (r=32 on the eight attention projections) is added with peft and counted.
 
+The models are built by ``marble_trl.preflight.architectures`` (one home for the published configurations, shared with
+``marble-trl check``); ``--ship`` writes the measured activations into the package's ``measured_memory.json``.
+
 Activations are measured, not guessed: a real-width (1536, 24 heads) SD3.5-M transformer with 3-4 blocks runs one
 forward at 512 px (1024 image tokens + 333 text tokens) with the LoRA trainable and bf16 autocast, and a
 ``saved_tensors_hooks`` pair records the bytes autograd keeps for the backward (distinct storages, parameters excluded).
@@ -21,22 +24,7 @@ import json
 
 import torch
 
-GIB = 1024**3
-SD35M = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    out_channels=16,
-    pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)),
-    qk_norm="rms_norm",
-)
+from marble_trl.preflight.architectures import GIB, REWARD_MODELS, SD35M, architecture_named, count, on_meta
 
 
 def lora_config(r: int = 32):
@@ -47,103 +35,21 @@ def lora_config(r: int = 32):
     return LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights="gaussian", target_modules=list(DEFAULT_LORA_TARGETS))
 
 
-def count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def parameter_counts(lora_r: int) -> dict[str, int]:
-    from diffusers import AutoencoderKL, SD3Transformer2DModel
-    from transformers import (
-        CLIPConfig,
-        CLIPModel,
-        CLIPTextConfig,
-        CLIPTextModelWithProjection,
-        T5Config,
-        T5EncoderModel,
-    )
+    """Exact counts of SD3.5 Medium's models and the reward models (marble_trl.preflight.architectures builds them on
+    the meta device)."""
+    from marble_trl.preflight.architectures import frozen_counts, lora_parameter_count
 
-    out: dict[str, int] = {}
-    with torch.device("meta"):
-        transformer = SD3Transformer2DModel(**SD35M)
-        out["transformer"] = count(transformer)
-        transformer.add_adapter(lora_config(lora_r))
-        out["lora"] = sum(p.numel() for n, p in transformer.named_parameters() if "lora_" in n)
-        out["lora_layers"] = sum(1 for n, _ in transformer.named_modules() if n.endswith("lora_A.default"))
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(128, 256, 512, 512),
-            layers_per_block=2,
-            latent_channels=16,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
-        out["vae"] = count(vae)
-        # SD3.5's text encoders: CLIP ViT-L/14 text tower, OpenCLIP bigG/14 text tower (both with projection), T5-XXL.
-        out["clip_l"] = count(
-            CLIPTextModelWithProjection(
-                CLIPTextConfig(
-                    hidden_size=768,
-                    intermediate_size=3072,
-                    num_hidden_layers=12,
-                    num_attention_heads=12,
-                    projection_dim=768,
-                    hidden_act="quick_gelu",
-                )
-            )
-        )
-        out["clip_g"] = count(
-            CLIPTextModelWithProjection(
-                CLIPTextConfig(
-                    hidden_size=1280,
-                    intermediate_size=5120,
-                    num_hidden_layers=32,
-                    num_attention_heads=20,
-                    projection_dim=1280,
-                    hidden_act="gelu",
-                )
-            )
-        )
-        out["t5_xxl"] = count(
-            T5EncoderModel(
-                T5Config(
-                    vocab_size=32128,
-                    d_model=4096,
-                    d_kv=64,
-                    d_ff=10240,
-                    num_layers=24,
-                    num_heads=64,
-                    feed_forward_proj="gated-gelu",
-                )
-            )
-        )
-
-        def clip(text_dim, text_layers, text_heads, vision_dim, vision_layers, vision_heads, proj, patch=14):
-            config = CLIPConfig(
-                text_config=dict(
-                    hidden_size=text_dim,
-                    intermediate_size=4 * text_dim,
-                    num_hidden_layers=text_layers,
-                    num_attention_heads=text_heads,
-                ),
-                vision_config=dict(
-                    hidden_size=vision_dim,
-                    intermediate_size=4 * vision_dim,
-                    num_hidden_layers=vision_layers,
-                    num_attention_heads=vision_heads,
-                    patch_size=patch,
-                    image_size=224,
-                ),
-                projection_dim=proj,
-            )
-            return count(CLIPModel(config))
-
-        # PickScore_v1 and HPSv2.1 are CLIP ViT-H/14 (text 1024x24, vision 1280x32); CLIPScore is CLIP ViT-L/14.
-        out["reward_pickscore"] = clip(1024, 24, 16, 1280, 32, 16, 1024)
-        out["reward_hpsv2"] = out["reward_pickscore"]
-        out["reward_clipscore"] = clip(768, 12, 12, 1024, 24, 16, 768)
+    arch = architecture_named("SD3.5-Medium")
+    transformer = on_meta(arch.build)
+    out: dict[str, int] = {"transformer": count(transformer)}
+    out["lora"] = lora_parameter_count(transformer, lora_config(lora_r))
+    out["lora_layers"] = sum(1 for n, _ in transformer.named_modules() if n.endswith("lora_A.default"))
+    counts = frozen_counts(arch)
+    out["vae"] = counts.pop("vae")
+    out.update(counts)  # clip_l, clip_g, t5_xxl
+    for name in ("pickscore", "hpsv2", "clipscore"):
+        out[f"reward_{name}"] = count(on_meta(REWARD_MODELS[name]))
     return out
 
 
@@ -204,12 +110,28 @@ def main() -> None:
     parser.add_argument("--lora-r", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1, help="samples in the measured forward (per-sample = / batch)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--ship", action="store_true", help="write the activations into the package's "
+                        "marble_trl/preflight/measured_memory.json (what marble-trl check reads)")  # fmt: skip
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     counts = parameter_counts(args.lora_r)
     acts = activations(args.lora_r, args.batch)
     report = {"params": counts, "activation_bytes_per_sample": acts}
+    if args.ship:
+        from marble_trl.preflight.measurements import ship
+
+        plain, ckpt = acts["no_checkpointing"], acts["checkpointing"]
+        block = plain["per_plain_block"] + plain["dual_extra"]  # the block being recomputed
+        ship(
+            "SD3.5-Medium",
+            {"no_checkpointing": plain["total"], "checkpointing": ckpt["total"] + block,
+             "per_block": {"plain": plain["per_plain_block"], "dual_extra": plain["dual_extra"],
+                           "checkpointed_inputs": ckpt["total"]}},
+            tokens=architecture_named("SD3.5-Medium").tokens(512, 256),
+            conditions="512 px (1,024 image tokens) + 77 CLIP + 256 T5 tokens; real-width 3/4-block models",
+            source="benchmarks/memory_estimate.py",
+        )  # fmt: skip
     print(json.dumps(report, indent=2))
     print("\n| item | params | GiB |\n| --- | --- | --- |")
     for name, n in counts.items():
