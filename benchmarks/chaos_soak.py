@@ -115,6 +115,7 @@ def run_until(cmd: list[str], env: dict[str, str], marker: Path, kill: tuple[str
     while proc.poll() is None:
         if marker.is_file():
             kill_tree(proc.pid)
+            time.sleep(0.1)  # the marker's text is written right after it is created
             proc.wait()
             return f"killed at {marker.read_text()}"
         if time.monotonic() > deadline:
@@ -145,6 +146,8 @@ def _flatten(prefix: str, value: object, out: dict[str, object]) -> None:
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
             _flatten(f"{prefix}.{index}", item, out)
+    elif hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, type)):  # e.g. DeepSpeed's loss scaler
+        _flatten(f"{prefix}.{type(value).__name__}", vars(value), out)
     else:
         out[prefix] = value
 

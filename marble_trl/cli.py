@@ -8,7 +8,12 @@
 - ``marble-trl generate --model tiny|PATH --lora DIR --prompts ... --output DIR``: images from a base model plus a
   LoRA, loaded with diffusers' ``load_lora_weights``;
 - ``marble-trl evaluate --model tiny|PATH [--lora DIR ...] --prompts SOURCE --reward_funcs ... --output DIR``: scores
-  the base model and each LoRA / checkpoint on a prompt set (:mod:`marble_trl.evaluation`).
+  the base model and each LoRA / checkpoint on a prompt set (:mod:`marble_trl.evaluation`);
+- ``marble-trl check --config RECIPE [--num_processes N] [--gpu_memory 80GB]``: the preflight (docs/check.md);
+- ``marble-trl serve-reward --reward NAME [--reward_kwargs JSON] [--port 18085]``: one reward served over HTTP for
+  ``http_reward`` clients (:mod:`marble_trl.serve`);
+- ``marble-trl datasets list`` / ``marble-trl datasets download [NAME ...] [--from FILE]``: the papers' named prompt
+  sets (:mod:`marble_trl.prompt_sets`): provenance, licence, digests, cache status; fetching them ahead of a run.
 
 Each command lives in :mod:`marble_trl.commands` and is imported only when run (``marble-trl --help`` loads no model
 code); ``MarbleScriptArguments`` and ``train`` are re-exported here for scripts.
@@ -26,13 +31,19 @@ __all__ = ["MarbleScriptArguments", "main", "train"]
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["check"]:  # the preflight (docs/check.md): marble-trl check --config RECIPE [train's arguments]
+        from .commands.check import check_command
+
+        return check_command(argv[1:])
     top = argparse.ArgumentParser(prog="marble-trl", description="Multi-reward RL for text-to-image diffusion.")
     top.add_argument(
         "command",
-        choices=["train", "export", "generate", "evaluate"],
-        help="train: DiffusionNFT / MARBLE training from a recipe; export: a checkpoint -> a publishable LoRA folder "
+        choices=["train", "check", "export", "generate", "evaluate", "serve-reward", "datasets"],
+        help="train: DiffusionNFT / MARBLE training from a recipe; check: a preflight of a recipe (config, rewards, "
+        "batching, memory per GPU) before GPU hours are spent; export: a checkpoint -> a publishable LoRA folder "
         "(model card, optional Hub push); generate: images from a base model plus a LoRA; evaluate: score models on "
-        "a prompt set.",
+        "a prompt set; serve-reward: serve one reward over HTTP for http_reward clients; datasets: list / download the "
+        "papers' named prompt sets.",
     )
     if not argv or argv[0] in ("-h", "--help"):
         top.print_help()
@@ -55,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         from .commands.evaluate import evaluate_command
 
         evaluate_command(argv[1:])
+    elif ns.command == "datasets":
+        from .commands.datasets import datasets_command
+
+        return datasets_command(argv[1:])
+    elif ns.command == "serve-reward":
+        from .commands.serve_reward import serve_reward_command
+
+        return serve_reward_command(argv[1:])
     else:
         from .commands.generate import generate_command
 

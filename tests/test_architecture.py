@@ -8,8 +8,10 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "marble_trl"
 MAX_LINES = 500
-# The modules that use the trainer (a higher layer than it): the package's front door, the commands, the benchmark.
-TRAINER_USERS = {"marble_trl", "marble_trl.nft_trainer", "marble_trl.commands.train", "marble_trl.shapesbench.bench"}
+# The modules that use the trainer (a higher layer than it): the package's front door, the commands, the benchmark,
+# and the preflight's steps that run the trainer constructor's checks (marble-trl check).
+TRAINER_USERS = {"marble_trl", "marble_trl.nft_trainer", "marble_trl.commands.train", "marble_trl.shapesbench.bench",
+                 "marble_trl.preflight.run", "marble_trl.preflight.measure"}  # fmt: skip
 # Self-registration: the registry imports its built-in reward modules, which import the registry to register.
 ALLOWED_CYCLE_EDGES = {
     ("marble_trl.rewards.registry", f"marble_trl.rewards.{m}") for m in ("jpeg", "shapes", "simple", "video")

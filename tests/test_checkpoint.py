@@ -281,7 +281,7 @@ class _Trainer:
 
 def test_signal_handlers_respect_an_ignored_sigint():
     """Inherited SIG_IGN stays: the callback handles SIGTERM only, and restores both as they were."""
-    from marble_trl.trainer.checkpointing import SaveOnSignalCallback
+    from marble_trl.trainer.interruptions import SaveOnSignalCallback
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the fixtures restore the handlers after the test
     callback = SaveOnSignalCallback(_Trainer())
@@ -301,7 +301,7 @@ def test_signal_handlers_respect_an_ignored_sigint():
 
 def test_signal_handlers_leave_a_non_python_handler_alone(monkeypatch):
     """signal.getsignal() is None for a handler installed outside Python: it could not be restored, so it is kept."""
-    from marble_trl.trainer.checkpointing import SaveOnSignalCallback
+    from marble_trl.trainer.interruptions import SaveOnSignalCallback
 
     real = signal.getsignal
     monkeypatch.setattr(signal, "getsignal", lambda s: None if s == signal.SIGINT else real(s))

@@ -31,8 +31,8 @@ from .checkpointing import (
     record_best_checkpoint,
     save_checkpoint_atomically,
     trained_lora_layers,
-    training_session,
 )
+from .interruptions import training_session
 from .publishing import card_info_from_trainer, init_repo, push_checkpoint, push_trainer, write_trainer_card
 
 logger = logging.getLogger(__name__)

@@ -77,6 +77,17 @@ class PeerFailure(RuntimeError):
     (see :func:`fail_together`)."""
 
 
+def run_together(accelerator, where: str, work: Callable[[], Any]) -> Any:
+    """``work()``, with its failure on any process raised on every process (:func:`fail_together`)."""
+    failure, result = None, None
+    try:
+        result = work()
+    except Exception as error:  # every process hears of it before the next collective and stops with it
+        failure = error
+    fail_together(accelerator, failure, where)
+    return result
+
+
 def fail_together(accelerator, error: BaseException | None, where: str) -> None:
     """With several processes, a failure on one of them (a reward server down for one rank) would leave the others
     waiting in the next collective until the launcher kills them. Every process reaches this point and agrees:

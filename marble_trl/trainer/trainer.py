@@ -75,8 +75,8 @@ from ..sources import SOURCE_COLUMN
 from ..trackers import adapt_model_config, log_image
 from .backward import DeepSpeedBackward, FSDPBackward, LossSettings, PlainBackward, micro_batch_loss
 from .balancing import BalancingHooks
-from .checkpointing import SaveOnSignalCallback
 from .evaluate import EvaluationHooks
+from .interruptions import SaveOnSignalCallback
 from .metrics import flush_reward_logs, reward_metrics, save_rollout_grid
 from .persistence import PersistenceHooks
 from .setup import (
@@ -96,12 +96,12 @@ from .setup import (
 from .step import (
     MicroBatch,
     encode_prompts_and_negative,
-    fail_together,
     gather_rewards,
     global_batch_index,
     make_micro_batches,
     plan_step,
     rollouts,
+    run_together,
 )
 
 
@@ -321,21 +321,14 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         start = time.perf_counter()
         timings: dict[str, float] = {}
         reward_logs = RewardLogs()  # GRPO's trainer_state / log_extra / log_metric kwargs
-        failure = None
-        try:
-            rewards_local = score_rewards(
-                self.reward_funcs,
-                prompts,
-                images_all,
-                columns,
-                self.reward_names,
-                timings,
-                trainer_state=self.state,
-                logs=reward_logs,
-            )
-        except Exception as error:  # every process hears of it before the next collective and stops with it
-            failure = error
-        fail_together(self.accelerator, failure, "scoring the rewards")
+        rewards_local = run_together(  # a reward failing on one process stops every process here
+            self.accelerator,
+            "scoring the rewards",
+            lambda: score_rewards(
+                self.reward_funcs, prompts, images_all, columns, self.reward_names, timings,
+                trainer_state=self.state, logs=reward_logs,
+            ),
+        )  # fmt: skip
         reward_time = time.perf_counter() - start
         logged, self.reward_extras = flush_reward_logs(self.accelerator, reward_logs, len(prompts))
         self._append_metrics(logged)
