@@ -32,6 +32,7 @@ METHODS = (
     "marble_masked",
     "marble_every_step",
     "nash_mtl",
+    "marble_norm_aware_hold",  # H6, registered after the other seven had run
 )
 
 
@@ -109,7 +110,7 @@ def paired_tables(runs: dict[str, dict[int, dict]], base: dict, rewards=tuple(RE
 
 
 def verdicts(tables: dict[str, Any]) -> list[tuple[str, str, str]]:
-    """The pre-registered hypotheses H1-H5: ``(hypothesis, measured, verdict)``."""
+    """The pre-registered hypotheses H1-H6: ``(hypothesis, measured, verdict)``."""
     rows = []
 
     def above_base(method: str, tag: str) -> None:
@@ -139,6 +140,8 @@ def verdicts(tables: dict[str, Any]) -> list[tuple[str, str, str]]:
         g = tables["marble"]["gain"]["count"]
         verdict = "shown" if g.mean < -2 * g.sem else ("shown the other way" if g.mean > 2 * g.sem else "not shown")
         rows.append(("H5. marble (N = 10) loses count to the base", str(g), verdict))
+    worst_beats_ws("marble_norm_aware_hold", "H6")
+    above_base("marble_norm_aware_hold", "H6")
     return rows
 
 
