@@ -74,14 +74,13 @@ def test_chaos_schedule_is_seeded_and_covers_every_phase():
 
 @pytest.mark.slow
 def test_chaos_soak_killed_runs_end_where_the_uninterrupted_run_ends(tmp_path):
-    """SIGKILL inside the last checkpoint save (after the Trainer's files), at a MARBLE refresh and just before an
-    optimizer step, each resumed from the newest valid checkpoint: the final checkpoint and LoRA equal the uninterrupted run's
-    tensor for tensor (the soak's figure on a 6-step run)."""
+    """SIGKILL inside the last checkpoint save (after the Trainer's files) and at a MARBLE refresh, each resumed from
+    the newest valid checkpoint: the final checkpoint and LoRA equal the uninterrupted run's tensor for tensor (the
+    soak's figure on a 4-step run; a kill before the optimizer step and the others: benchmarks/chaos_soak.py)."""
     figure = _chaos().soak(
-        tmp_path, steps=6, kills=0, seed=0, save_steps=3, eval_steps=3,
-        plan=[("save", 4), ("refresh", 3), ("optimizer", 4)],
+        tmp_path, steps=4, kills=0, seed=0, save_steps=2, eval_steps=2,
+        plan=[("save", 3), ("refresh", 1)],
     )  # fmt: skip
     outcomes = [outcome.split(" (pid")[0] for _, outcome in figure["events"]]
-    assert outcomes == ["killed at save after step 6", "killed at refresh after step 3",
-                        "killed at optimizer after step 4"]  # fmt: skip
+    assert outcomes == ["killed at save after step 4", "killed at refresh after step 3"]  # refreshes: steps 1, 4
     assert figure["differing"] == []

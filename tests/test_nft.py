@@ -292,6 +292,8 @@ def test_advantage_to_r_is_monotone_and_affine_inside(a_max):
 
 DECAY_TABLE = {
     "on_policy": {0: 0.0, 1: 0.0, 74: 0.0, 75: 0.0, 76: 0.0, 500: 0.0, 10_000: 0.0},
+    # MARBLE's release: min(0.001 s, 0.95) with s the steps done including this one (s = step + 1 here)
+    "marble": {0: 0.001, 1: 0.002, 74: 0.075, 499: 0.5, 948: 0.949, 949: 0.95, 950: 0.95, 10_000: 0.95},
     "linear": {0: 0.0, 1: 0.001, 74: 0.074, 75: 0.075, 76: 0.076, 500: 0.5, 10_000: 0.5},
     "delayed": {
         0: 0.0,
@@ -314,7 +316,7 @@ def test_old_policy_decay_hand_values(decay_type):
         assert old_policy_decay(step, decay_type) == pytest.approx(expected, abs=1e-12), (decay_type, step)
 
 
-def test_decay_types_are_the_documented_three():
+def test_decay_types_are_the_documented_four():
     assert set(DECAY_TYPES) == set(DECAY_TABLE)
 
 
