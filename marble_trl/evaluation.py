@@ -375,6 +375,9 @@ def evaluate_models(
         for name in names:
             result[f"{name}/mean"] = summary[f"{name}/mean"]
             result[f"{name}/sem"] = summary[f"{name}/sem"]
+        # with several prompt sources, each reward's mean on each source where it applies (the papers read PickScore
+        # on DrawBench, GenEval on its test split...: the named mixture paper_eval)
+        result.update({k: v for k, v in summary.items() if k.count("/") == 2})
         results.append(result)
         if grid_n:
             grid_items = [(p, i) for p in range(grid_n) for i in range(n_img)]
@@ -474,5 +477,10 @@ def write_results(results: list[dict[str, Any]], names: Sequence[str], output: s
     if skipped:
         text += f" (left out, not scored on every model: {', '.join(skipped)})"
     text += ".\n"
+    by_source = [k for n in names for k in sorted({k for r in results for k in r if k.startswith(f"{n}/")})
+                 if k.count("/") == 2]  # fmt: skip
+    if by_source:
+        text += "\n## By prompt source\n\n" + markdown_table(results, ["model", *by_source])
+        text += "\nmean of each reward on each prompt source where it applies (`source` column).\n"
     (output / "results.md").write_text(text, encoding="utf-8")
-    write_csv(output / "results.csv", results, columns)
+    write_csv(output / "results.csv", results, [*columns[:-1], *by_source, columns[-1]])

@@ -180,6 +180,13 @@ PROMPT_SETS: dict[str, PromptSet] = {
 MIXTURES: dict[str, tuple[dict, ...]] = {
     "marble_5rewards": tuple({"path": n, "name": n, "ratio": 1.0} for n in ("pickscore", "ocr", "geneval")),
     "marble_5rewards_test": tuple({"path": f"{n}_test", "name": n} for n in ("pickscore", "ocr", "geneval")),
+    # the papers' tables (DiffusionNFT, MARBLE): PickScore / HPSv2.1 / CLIPScore on DrawBench, OCR and GenEval on their
+    # test splits; read each reward on its own source (`marble-trl evaluate` logs `<reward>/<source>/mean`)
+    "paper_eval": (
+        {"path": "drawbench", "name": "drawbench"},
+        {"path": "ocr_test", "name": "ocr"},
+        {"path": "geneval_test", "name": "geneval"},
+    ),
 }
 
 

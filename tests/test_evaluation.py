@@ -254,6 +254,25 @@ def test_evaluate_command_scores_base_and_lora_and_resumes(tmp_path, lora_dir, m
         main(evaluate_argv(out, prompts, lora_dir, "--seed", "3"))
 
 
+def test_evaluate_command_reports_each_reward_on_each_prompt_source(tmp_path):
+    """Several prompt sources (the papers read PickScore on DrawBench, GenEval on its test split...): results.csv and
+    results.md hold each reward's mean on each source, equal to the mean of that source's rows in scores.jsonl."""
+    general, quoted = tmp_path / "general.txt", tmp_path / "quoted.txt"
+    general.write_text("a red apple\na blue car\n", encoding="utf-8")
+    quoted.write_text('a sign that says "hi"\n', encoding="utf-8")
+    out = tmp_path / "eval"
+    argv = ["evaluate", "--model", "tiny", "--prompts", str(general), str(quoted), "--reward_funcs", "brightness",
+            "--num_images_per_prompt", "2", "--num_sample_steps", "2", "--grid_prompts", "0", "--output", str(out),
+            "--no_progress"]  # fmt: skip
+    assert main(argv) == 0
+    (row,) = list(csv.DictReader((out / "results.csv").open()))
+    lines = [json.loads(x) for x in (out / "base" / "scores.jsonl").read_text().splitlines()]
+    for source, prompts in (("general", {0, 1}), ("quoted", {2})):
+        values = [x["scores"]["brightness"] for x in lines if x["prompt_index"] in prompts]
+        assert float(row[f"brightness/{source}/mean"]) == pytest.approx(sum(values) / len(values), rel=1e-6)
+    assert "## By prompt source" in (out / "results.md").read_text()
+
+
 def test_evaluate_command_matches_trainer_evaluation(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a boat on a lake\na tree\n", encoding="utf-8")

@@ -293,6 +293,8 @@ def test_the_test_mixture_and_single_sets_load_as_eval_datasets(cached_sets):
 
     test = load_train_dataset("marble_5rewards_test")
     assert Counter(test["source"]) == {"pickscore": 2, "ocr": 2, "geneval": 2}
+    paper = load_train_dataset("paper_eval")  # the papers' tables: DrawBench and the OCR / GenEval test splits
+    assert Counter(paper["source"]) == {"drawbench": len(TEXT["drawbench"]), "ocr": 2, "geneval": 2}
     assert load_train_dataset("drawbench")["prompt"] == TEXT["drawbench"]
     assert load_train_dataset("geneval_test").column_names == ["tag", "include", "prompt", "exclude"]
 
