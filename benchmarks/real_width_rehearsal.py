@@ -185,8 +185,8 @@ def train_command(folder: Path, recipe: str, out: Path, divisor: int, num_reward
 
 
 def saved_bytes(pipe, resolution: int, max_len: int) -> float:
-    """Bytes autograd saves for one forward of the pipeline's transformer at the recipe's token count (bf16 autocast,
-    a trainable r=32 LoRA on the family's targets; parameters excluded)."""
+    """Bytes autograd saves for one forward of the pipeline's transformer at the recipe's token count (bf16 weights
+    and autocast, a trainable r=32 LoRA on the family's targets; parameters excluded)."""
     import copy
 
     from peft import LoraConfig
@@ -198,7 +198,9 @@ def saved_bytes(pipe, resolution: int, max_len: int) -> float:
     scheduler = copy.deepcopy(pipe.scheduler)
     with torch.no_grad():
         x = adapter.sample(scheduler, cond, 1, resolution, torch.Generator().manual_seed(0))
-    module = adapter.transformer
+    # bf16 weights, as the recipes load them (torch_dtype auto) and as family_memory.py measures: with float32 weights
+    # autocast would save a bf16 copy of every weight for the backward, which a bf16 run does not hold
+    module = adapter.transformer.to(torch.bfloat16)
     module.add_adapter(LoraConfig(r=32, lora_alpha=64, target_modules=list(adapter.default_lora_targets)))
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen: dict[int, int] = {}
