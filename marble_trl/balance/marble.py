@@ -47,8 +47,8 @@ Choices and deviations (all documented where they happen):
   Prop. 1 that is still one ordinary backward, with ``A = sum_k (c_k / sum c) A_k`` and the NFT policy term scaled
   by ``sum c`` (:class:`StepWeights`). As on a refresh, rewards without signal this step get ``c_k = 0``.
 - Clamp violations (samples with some ``|A_k| > A_max``: only then is an ``r_k`` clipped, which breaks Prop. 1's
-  identity; ``|A_k| = A_max`` is still on the affine piece of ``r``) are only counted (the paper's
-  ``pareto_fallback_used``); acting on them is the trainer's business.
+  identity; ``|A_k| = A_max`` is still on the affine piece of ``r``) are only counted (not the release's
+  ``pareto_fallback_used``: that is the QP fallback); acting on them is the trainer's business.
 - Everything is a deterministic function of the Gram: ranks holding bitwise-identical all-reduced buffers get the
   same alpha. If that is not guaranteed, solve on rank 0 and broadcast (``state_dict``/``refresh`` make it easy).
 """
@@ -221,7 +221,8 @@ class MarbleBalancer:
 
     @property
     def num_clamp_violations(self) -> int:
-        """The paper's ``pareto_fallback_used``: see ``record_clamp_violations``."""
+        """Samples with some ``|A_k| > adv_clip_max`` (not the release's ``pareto_fallback_used``, which is the QP
+        fallback: :attr:`num_qp_fallbacks`); see ``record_clamp_violations``."""
         return self._num_clamp_violations
 
     def reset(self) -> None:
@@ -427,7 +428,7 @@ class MarbleBalancer:
         """Whether 0-based step ``step`` refreshes, and its single advantage ``A = sum_k (c_k / sum c) A_k`` from the
         per-reward advantages ``per_reward`` [K, N], with ``c`` of :meth:`amortised_coefficients` and ``sum c`` as
         ``policy_scale`` (``A_bar = sum_k alpha_bar_k A_k`` and 1 for the paper's ``"alpha_bar"``); counts the clamp
-        violations (samples with some ``|A_k| > adv_clip_max``, the paper's ``pareto_fallback_used``).
+        violations (samples with some ``|A_k| > adv_clip_max``).
         ``has_signal`` [K]: rewards with a non-zero advantage (default: computed from ``per_reward``)."""
         if has_signal is None:
             has_signal = (per_reward != 0).any(dim=1)
