@@ -1,8 +1,10 @@
 """The papers' prompt sets by name (``dataset_name: pickscore``, ``ocr``, ``geneval``, ``drawbench``, their ``_test``
-splits, and the mixture ``marble_5rewards``), fetched on first use and never shipped in the package.
+splits, and the mixture ``marble_5rewards``): shipped in the package where the file could be read, else fetched on first
+use.
 
-Each set is one file of a public GitHub repository at a pinned commit (flow_grpo, MIT; DiffusionNFT, Apache-2.0). It is
-downloaded from ``raw.githubusercontent.com`` at that commit, checked against the digests recorded below (SHA-256 and
+Each set is one file of a public GitHub repository at a pinned commit (flow_grpo, MIT; DiffusionNFT, Apache-2.0). Five
+are shipped xz-compressed in ``marble_trl/prompt_data`` (3.7 MB of prompts in 0.7 MB, with the licences): they are
+unpacked into the cache on first use, checked like a download, with no network. The others are downloaded from ``raw.githubusercontent.com`` at that commit, checked against the digests recorded below (SHA-256 and
 size where known, and always git's object id of the file at that commit), and kept in a cache:
 ``$MARBLE_TRL_CACHE/datasets/<name>/<digest>/<file>``, where ``MARBLE_TRL_CACHE`` defaults to
 ``$HF_HOME/marble_trl`` (``~/.cache/huggingface/marble_trl``). A file that fails the check is never kept. With
@@ -25,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import logging
+import lzma
 import os
 import shutil
 import tempfile
@@ -40,6 +43,7 @@ FLOW_GRPO = ("yifan123/flow_grpo", "ac4c86e8cae021841f1fde853d340e0db67690dd")
 DIFFUSION_NFT = ("NVlabs/DiffusionNFT", "24af5554898d85e93efa492f42b5e9cdf4156e9b")
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "MARBLE_TRL_OFFLINE")
 MAX_BYTES = 64 << 20  # a response larger than this is not a prompt file
+SHIPPED = Path(__file__).parent / "prompt_data"
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,20 @@ def cached_path(entry: PromptSet) -> Path:
     return cache_root() / "datasets" / entry.name / entry.digest / entry.filename
 
 
+def shipped_path(entry: PromptSet) -> Path | None:
+    """The package's compressed copy of the set (``prompt_data/<name>-<sha256[:16]><ext>.xz``), or ``None``: only sets
+    with a recorded SHA-256 are shipped, and the file name carries it, so an entry with other digests finds none."""
+    if entry.sha256 is None:
+        return None
+    path = SHIPPED / f"{entry.name}-{entry.sha256[:16]}{Path(entry.filename).suffix}.xz"
+    return path if path.is_file() else None
+
+
+def available_offline(entry: PromptSet) -> bool:
+    """Whether the set loads without a network: shipped, or in the cache (not re-verified)."""
+    return shipped_path(entry) is not None or cached_path(entry).is_file()
+
+
 def offline() -> str | None:
     """The variable that turns downloads off (``HF_HUB_OFFLINE=1`` ...), or ``None``."""
     for variable in OFFLINE_VARIABLES:
@@ -263,7 +281,8 @@ def _how_to_place(entry: PromptSet) -> str:
 
 
 def local_file(name: str) -> Path:
-    """The verified local copy of prompt set ``name``: from the cache, else downloaded (unless offline)."""
+    """The verified local copy of prompt set ``name``: from the cache, else unpacked from the package, else downloaded
+    (unless offline)."""
     entry = prompt_set(name)
     target = cached_path(entry)
     if target.is_file():
@@ -273,6 +292,8 @@ def local_file(name: str) -> Path:
         except PromptSetError as err:
             logger.warning("%s Removing it from the cache.", err)
             target.unlink(missing_ok=True)
+    if shipped_path(entry) is not None:
+        return unpack(name)
     variable = offline()
     if variable:
         raise PromptSetError(
@@ -307,6 +328,25 @@ def download(name: str, *, timeout: float = 60.0, attempts: int = 3) -> Path:
         finally:
             Path(part).unlink(missing_ok=True)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def unpack(name: str) -> Path:
+    """Unpack the package's copy of prompt set ``name`` into the cache, verified as a download is."""
+    entry = prompt_set(name)
+    source = shipped_path(entry)
+    if source is None:
+        raise PromptSetError(f"Prompt set {name!r} is not shipped in the package; download it instead.")
+    target = cached_path(entry)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, part = tempfile.mkstemp(dir=target.parent, prefix=f".{entry.filename}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out, lzma.open(source, "rb") as src:
+            shutil.copyfileobj(src, out)
+        verify(entry, Path(part))
+        os.replace(part, target)
+    finally:
+        Path(part).unlink(missing_ok=True)
+    return target
 
 
 def _fetch(entry: PromptSet, out, timeout: float) -> None:
@@ -359,6 +399,7 @@ def describe(entry: PromptSet) -> dict:
         "rows": entry.rows,
         "columns": list(entry.columns),
         "notes": entry.notes,
+        "shipped": shipped_path(entry) is not None,
         "cache_path": str(target),
         "cached": target.is_file(),
     }

@@ -198,7 +198,7 @@ def load_source(source: PromptSource | str | Mapping):
     local = Path(path).expanduser()
     suffix = local.suffix.lstrip(".").lower()
     origin = path
-    if path in PROMPT_SETS:  # a paper's prompt set: the verified cached copy, downloaded on first use
+    if path in PROMPT_SETS:  # a paper's prompt set: the verified cached copy, unpacked or downloaded on first use
         entry = PROMPT_SETS[path]
         file = local_file(path)
         dataset = load_prompt_dataset(str(file)) if entry.format == "txt" else _load_file(source.name, file, "jsonl")

@@ -119,6 +119,55 @@ def test_cache_location(monkeypatch, tmp_path):
     )
 
 
+# The shipped sets ----------------------------------------------------------------------------------------------------
+
+
+def test_every_set_whose_file_was_read_is_shipped_with_its_licence():
+    shipped = {name for name, entry in ps.PROMPT_SETS.items() if ps.shipped_path(entry) is not None}
+    assert shipped == {name for name, entry in ps.PROMPT_SETS.items() if entry.sha256 is not None}
+    assert shipped == {"pickscore", "pickscore_test", "ocr_test", "geneval_test", "drawbench"}
+    assert {p.name for p in ps.SHIPPED.glob("*.xz")} == {ps.shipped_path(ps.PROMPT_SETS[n]).name for n in shipped}
+    assert (ps.SHIPPED / "LICENSE.flow_grpo").read_text().startswith("MIT License")
+    assert "Apache License" in (ps.SHIPPED / "LICENSE.DiffusionNFT").read_text()
+    # the wheel carries them: pyproject's package data names the folder's files
+    package_data = (ROOT / "pyproject.toml").read_text()
+    for pattern in ('"prompt_data/*.xz"', '"prompt_data/LICENSE.*"', '"prompt_data/README.md"'):
+        assert pattern in package_data
+
+
+@pytest.mark.parametrize("name", ["pickscore", "pickscore_test", "ocr_test", "geneval_test", "drawbench"])
+def test_a_shipped_set_loads_offline_with_its_recorded_digests(name, monkeypatch, tmp_path):
+    monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MARBLE_TRL_OFFLINE", "1")
+    monkeypatch.setattr(ps, "_fetch", lambda *a: pytest.fail("a shipped set must not touch the network"))
+    entry = ps.PROMPT_SETS[name]
+    assert ps.available_offline(entry) and not ps.cached_path(entry).exists()
+    path = ps.local_file(name)
+    assert path == ps.cached_path(entry)
+    data = path.read_bytes()
+    assert hashlib.sha256(data).hexdigest() == entry.sha256 and len(data) == entry.size
+    assert ps.git_blob_id(data) == entry.git_blob
+    rows = load_source(name)
+    assert len(rows) == entry.rows and all(isinstance(r["prompt"], str) and r["prompt"] for r in rows)
+    assert set(entry.columns) <= set(rows.column_names)
+
+
+def test_a_damaged_shipped_copy_is_refused_and_nothing_is_cached(monkeypatch, tmp_path):
+    import lzma
+
+    entry = ps.PROMPT_SETS["drawbench"]
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    good = lzma.decompress(ps.shipped_path(entry).read_bytes())
+    (shipped / ps.shipped_path(entry).name).write_bytes(lzma.compress(good.replace(b"giraffe", b"gorilla", 1)))
+    monkeypatch.setattr(ps, "SHIPPED", shipped)
+    monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("MARBLE_TRL_OFFLINE", "1")
+    with pytest.raises(ps.PromptSetError, match="expected SHA-256 " + entry.sha256):
+        ps.local_file("drawbench")
+    assert _cache_files(tmp_path / "cache") == []
+
+
 # Download, verification, offline use ---------------------------------------------------------------------------------
 
 

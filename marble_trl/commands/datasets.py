@@ -13,7 +13,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="marble-trl datasets",
         description="The papers' prompt sets by name (dataset_name: pickscore, ocr, geneval, drawbench, ..._test, "
-        "marble_5rewards): downloaded from a pinned commit, verified against the recorded digests, cached.",
+        "marble_5rewards): shipped in the package or downloaded from a pinned commit, verified against the recorded "
+        "digests, cached.",
     )
     sub = p.add_subparsers(dest="action", required=True)
     listing = sub.add_parser("list", help="Every prompt set and mixture: provenance, licence, digests, cache status.")
@@ -28,7 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     get.add_argument(
         "--from", dest="source", metavar="FILE", help="A copy of the set's file (one NAME): checked, then cached."
     )
-    get.add_argument("--force", action="store_true", help="Download again even when a verified copy is cached.")
+    get.add_argument(
+        "--force",
+        action="store_true",
+        help="Download again even when a verified copy is cached or shipped (a shipped set is otherwise unpacked).",
+    )
     return p
 
 
@@ -57,6 +62,7 @@ def _list(as_json: bool) -> int:
     for e in entries:
         rows = "rows not recorded" if e["rows"] is None else f"{e['rows']:,} prompts"
         cached = f"cached: {e['cache_path']}" if e["cached"] else "not cached"
+        cached += ", shipped in the package" if e["shipped"] else ""
         print(f"{e['name']:<{width}}{rows}, {_size(e['size'])}, {e['licence']}, {cached}")
         print(f"    {e['description']}")
         print(f"    {e['url']}")

@@ -86,9 +86,9 @@ def _offline_sources(script_args, report: Report) -> bool:
         if name == "bundled" or name in SHAPES_SOURCES:
             continue
         if name in PROMPT_SETS:
-            from ..prompt_sets import cached_path
+            from ..prompt_sets import available_offline
 
-            if not cached_path(PROMPT_SETS[name]).is_file():
+            if not available_offline(PROMPT_SETS[name]):
                 report.note(
                     "data",
                     f"prompt set {name!r} is not cached: the first run downloads it (`marble-trl datasets download "
