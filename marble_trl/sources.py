@@ -20,6 +20,7 @@ this source's label (TRL's ``name``, the Hub configuration, is ``subset`` here) 
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from .prompt_sets import MIXTURES, PROMPT_SETS, local_file
-from .shapesbench.world import FAMILIES
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +171,22 @@ def normalise_ratios(ratios: Mapping[str, float], what: str = "ratios") -> dict[
 
 
 # Built-in prompt sources of the ShapesBench world (with its metadata columns): every caption, each family drawn
-# equally often; one family's captions; the stratified evaluation captions (docs/shapesbench.md).
-SHAPES_SOURCES = ("shapes", "shapes_eval", *(f"shapes_{f}" for f in FAMILIES))
+# equally often; the stratified evaluation captions; one family's captions (docs/shapesbench.md). A name table of
+# loaders ("module:function" and its keyword arguments; it returns the Dataset): the benchmark sits above the core,
+# which never imports it.
+_SHAPES_FAMILIES = ("color", "count", "position", "general")  # shapesbench.world.FAMILIES (a test checks)
+SHAPES_SOURCE_LOADERS: dict[str, tuple[str, dict[str, str]]] = {
+    "shapes": ("marble_trl.shapesbench.world:train_dataset", {}),
+    "shapes_eval": ("marble_trl.shapesbench.world:eval_dataset", {}),
+    **{f"shapes_{f}": ("marble_trl.shapesbench.world:family_dataset", {"family": f}) for f in _SHAPES_FAMILIES},
+}
+SHAPES_SOURCES = tuple(SHAPES_SOURCE_LOADERS)
+
+
+def _load_shapes_source(name: str):
+    target, kwargs = SHAPES_SOURCE_LOADERS[name]
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)(**kwargs)
 
 
 def named_mixture(name: str | None) -> list[PromptSource] | None:
@@ -204,14 +218,7 @@ def load_source(source: PromptSource | str | Mapping):
         dataset = load_prompt_dataset(str(file)) if entry.format == "txt" else _load_file(source.name, file, "jsonl")
         origin = f"prompt set {path!r} ({entry.provenance})"
     elif path in SHAPES_SOURCES:
-        from .shapesbench.world import eval_dataset, family_dataset, train_dataset
-
-        if path == "shapes":
-            dataset = train_dataset()
-        elif path == "shapes_eval":
-            dataset = eval_dataset()
-        else:
-            dataset = family_dataset(path[len("shapes_") :])
+        dataset = _load_shapes_source(path)
         origin = f"the ShapesBench world ({path})"
     elif path in MIXTURES:
         raise ValueError(

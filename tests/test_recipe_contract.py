@@ -131,7 +131,6 @@ def _flags(overrides: dict) -> list[str]:
 
 @pytest.fixture
 def standins(monkeypatch):
-    registry._import_builtins()
     for name, applies in STANDINS.items():
         monkeypatch.setitem(registry._REGISTRY, name, (_standin(name, applies), True))
 

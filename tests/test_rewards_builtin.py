@@ -133,6 +133,22 @@ def test_builtins_are_registered() -> None:
     assert {"ocr", "clipscore", "pickscore", "aesthetic", "hpsv2", "imagereward", "http_reward"} <= names
 
 
+def test_every_name_in_the_builtin_table_resolves_to_its_target() -> None:
+    """The name table (no module registers itself): each target imports, is callable, and a plain reward carries
+    its registered name (the metrics' key)."""
+    from marble_trl.rewards import registry
+
+    assert set(registry.BUILTIN_REWARDS) <= set(available_rewards())
+    for name, (target, factory) in registry.BUILTIN_REWARDS.items():
+        obj, is_factory = registry.registered(name)
+        assert callable(obj) and is_factory == factory, name
+        assert f"{obj.__module__}:{obj.__name__}" == target or factory, (name, obj)
+        if not factory:
+            assert get_reward(name) is obj and obj.__name__ == name
+    with pytest.raises(ValueError, match="built-in reward's name"):
+        registry.register_reward("brightness")(lambda prompts, images, **_: [0.0] * len(prompts))
+
+
 @pytest.mark.parametrize("name", ["clipscore", "pickscore", "aesthetic", "hpsv2", "imagereward"])
 def test_model_rewards_build_lazily_with_their_name(name: str) -> None:
     # A path that does not exist: nothing is read until the first call.

@@ -14,6 +14,7 @@ import torch
 from marble_trl.models import load_sd3_pipeline, shapes_model_path
 from marble_trl.shapesbench import scorers, shipped, world
 from marble_trl.shapesbench.pretrain import PretrainConfig
+from marble_trl.sources import SHAPES_SOURCES
 
 # Held-out specialist means of the shipped base model with the protocol of `_draw` (docs/shapesbench.md, "The base
 # model"): 12 captions of the family x 4 images, Euler 6 steps, seed 2024.
@@ -90,22 +91,14 @@ def test_shapes_prompt_sources_carry_the_metadata():
 
 def test_shapes_rewards_are_registered():
     from marble_trl.rewards import available_rewards, get_reward
+    from marble_trl.shapesbench import rewards as shapes_rewards
+    from marble_trl.shapesbench.scorers import REWARDS
 
-    names = {
-        f"shapes_{n}"
-        for n in (
-            "alignment",
-            "preference",
-            "color",
-            "count",
-            "position",
-            "fidelity",
-            "judge",
-            "retrieval",
-            "diversity",
-        )
-    }
-    assert names <= set(available_rewards())
+    # the core's name tables list the benchmark's rewards and sources without importing it: they must match it
+    names = {f"shapes_{n}" for n in shapes_rewards.NAMES}
+    assert set(shapes_rewards.NAMES) <= set(REWARDS)
+    assert names == {n for n in available_rewards() if n.startswith("shapes_")}
+    assert {s for s in SHAPES_SOURCES if s not in ("shapes", "shapes_eval")} == {f"shapes_{f}" for f in world.FAMILIES}
     scenes = [s for s in world.all_scenes() if s.family == "position"][:4]
     images = world.to_tensor(np.stack([world.render(s, i) for i, s in enumerate(scenes)]))
     columns = {c: [s.columns()[c] for s in scenes] for c in world.COLUMNS}

@@ -25,8 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import register_reward
-
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -271,7 +269,6 @@ class _CLIPReward(ModelReward):
         return F.normalize(image, dim=-1), F.normalize(text, dim=-1)
 
 
-@register_reward("clipscore", factory=True)
 class CLIPScore(_CLIPReward):
     """Cosine similarity of CLIP ViT-L/14 image and prompt embeddings, in ``[-1, 1]`` (typically 0.15-0.40).
 
@@ -286,7 +283,6 @@ class CLIPScore(_CLIPReward):
         return (image * text).sum(-1)
 
 
-@register_reward("pickscore", factory=True)
 class PickScore(_CLIPReward):
     """PickScore v1: ``logit_scale.exp() * cos(image, prompt) / 26`` (flow_grpo's scaling; typically ~0.8-0.9)."""
 
@@ -329,7 +325,6 @@ class AestheticMLP(nn.Module):
         return self.layers(embeds)
 
 
-@register_reward("aesthetic", factory=True)
 class AestheticScore(ModelReward):
     """LAION aesthetic predictor v2: unit-norm CLIP ViT-L/14 image embedding -> MLP; roughly 1-10 (SD images ~5-6).
 

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from .clip_family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, ModelReward, pooled_features
-from .registry import register_reward
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +107,6 @@ def open_clip_clean(text: str, fix_text: Callable[[str], str] | None) -> str:
     return regex.sub(r"\s+", " ", text).strip()
 
 
-@register_reward("hpsv2", factory=True)
 class HPSv2Score(ModelReward):
     """HPSv2.1: cosine of image and prompt embeddings of the HPS-finetuned open_clip ViT-H-14 (typically 0.2-0.35).
 

@@ -35,7 +35,6 @@ import torch
 
 from .base import dataset_columns
 from .images import to_pil
-from .registry import register_reward
 
 logger = logging.getLogger(__name__)
 _FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG"}
@@ -155,7 +154,6 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-@register_reward("http_reward", factory=True)
 class HTTPReward:
     """Score images on a remote server speaking the JSON protocol above.
 
@@ -408,7 +406,6 @@ class HTTPReward:
 # `geneval` (a GenEval server with `url`, else in-process) is registered by the geneval package.
 
 
-@register_reward("unifiedreward", factory=True)
 def unifiedreward(url: str, name: str = "unifiedreward", **options: Any) -> HTTPReward:
     """UnifiedReward served over HTTP (an :class:`HTTPReward` logged as ``unifiedreward``)."""
     return HTTPReward(url, name=name, **options)

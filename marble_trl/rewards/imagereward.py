@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from .clip_family import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, AestheticMLP, ImageTransform, ModelReward
-from .registry import register_reward
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +297,6 @@ def init_tokenizer(name_or_path: str) -> Any:
     return tokenizer
 
 
-@register_reward("imagereward", factory=True)
 class ImageRewardScore(ModelReward):
     """ImageReward v1.0: BLIP image-text features -> MLP, standardised by ImageReward's mean/std (roughly -2..2).
 

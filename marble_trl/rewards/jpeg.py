@@ -7,7 +7,6 @@ import io
 import torch
 
 from .images import to_pil
-from .registry import register_reward
 
 
 def jpeg_kb(images: torch.Tensor, quality: int = 95) -> list[float]:
@@ -20,13 +19,11 @@ def jpeg_kb(images: torch.Tensor, quality: int = 95) -> list[float]:
     return sizes
 
 
-@register_reward("jpeg_compressibility")
 def jpeg_compressibility(prompts: list[str], images: torch.Tensor, **_: object) -> list[float]:
     """Negative JPEG size in kB (quality 95): higher means simpler, more compressible images."""
     return [-s for s in jpeg_kb(images)]
 
 
-@register_reward("jpeg_incompressibility")
 def jpeg_incompressibility(prompts: list[str], images: torch.Tensor, **_: object) -> list[float]:
     """JPEG size in kB (quality 95): higher means more detailed images."""
     return jpeg_kb(images)

@@ -17,7 +17,6 @@ import torch
 
 from ._lazy import require
 from .images import to_uint8_numpy
-from .registry import register_reward
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,6 @@ def ocr_similarity(recognised: str, target: str) -> float:
     return 1.0 - min(dist, len(target)) / len(target)
 
 
-@register_reward("ocr", factory=True)
 class OCRReward:
     """Text-rendering accuracy of the quoted text in the prompt, read back with RapidOCR.
 

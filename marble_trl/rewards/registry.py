@@ -1,4 +1,10 @@
-"""Reward lookup: callables, registered names, or dotted import paths (for YAML configs)."""
+"""Reward lookup: callables, registered names, or dotted import paths (for YAML configs).
+
+The built-in rewards are a name table (:data:`BUILTIN_REWARDS`: name -> ``"module:attr"`` and whether it is a
+factory), imported on first use: the registry imports none of them, so they never import it back, and the ShapesBench
+rewards (``shapes_*``, which live with the benchmark) stay outside the trainer's imports. :func:`register_reward` adds
+a user's reward under a new name.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,42 @@ from typing import Any
 
 from .base import RewardFunc
 
-# name -> factory. A factory is either a reward function itself (options not accepted) or a class/function that
-# takes the per-reward options as keyword arguments and returns a reward function.
+# name -> (target, factory). A factory is a class/function that takes the per-reward options as keyword arguments and
+# returns a reward function; otherwise the target is the reward function itself (options not accepted).
+BUILTIN_REWARDS: dict[str, tuple[str, bool]] = {
+    "brightness": ("marble_trl.rewards.simple:brightness", False),
+    "darkness": ("marble_trl.rewards.simple:darkness", False),
+    "saturation": ("marble_trl.rewards.simple:saturation", False),
+    "contrast": ("marble_trl.rewards.simple:contrast", False),
+    "jpeg_compressibility": ("marble_trl.rewards.jpeg:jpeg_compressibility", False),
+    "jpeg_incompressibility": ("marble_trl.rewards.jpeg:jpeg_incompressibility", False),
+    "temporal_consistency": ("marble_trl.rewards.video:temporal_consistency", False),
+    "clipscore": ("marble_trl.rewards.clip_family:CLIPScore", True),
+    "pickscore": ("marble_trl.rewards.clip_family:PickScore", True),
+    "aesthetic": ("marble_trl.rewards.clip_family:AestheticScore", True),
+    "hpsv2": ("marble_trl.rewards.hpsv2:HPSv2Score", True),
+    "imagereward": ("marble_trl.rewards.imagereward:ImageRewardScore", True),
+    "ocr": ("marble_trl.rewards.ocr:OCRReward", True),
+    "geneval": ("marble_trl.rewards.geneval:geneval", True),
+    "http_reward": ("marble_trl.rewards.http:HTTPReward", True),
+    "unifiedreward": ("marble_trl.rewards.http:unifiedreward", True),
+    **{
+        f"shapes_{name}": (f"marble_trl.shapesbench.rewards:shapes_{name}", False)
+        for name in (
+            "alignment",
+            "preference",
+            "color",
+            "count",
+            "position",
+            "fidelity",
+            "judge",
+            "retrieval",
+            "diversity",
+        )
+    },  # fmt: skip
+}
+
+# Rewards registered at run time (register_reward): name -> (object, factory).
 _REGISTRY: dict[str, tuple[Callable[..., Any], bool]] = {}
 
 
@@ -19,6 +59,8 @@ def register_reward(name: str, *, factory: bool = False) -> Callable[[Callable[.
     (model path, device, dtype, batch size, ...) to build the reward; otherwise it is the reward itself."""
 
     def deco(obj: Callable[..., Any]) -> Callable[..., Any]:
+        if name in BUILTIN_REWARDS:
+            raise ValueError(f"{name!r} is a built-in reward's name; register yours under another name.")
         if name in _REGISTRY and _REGISTRY[name][0] is not obj:
             raise ValueError(f"A reward named {name!r} is already registered.")
         _REGISTRY[name] = (obj, factory)
@@ -33,21 +75,20 @@ def register_reward(name: str, *, factory: bool = False) -> Callable[[Callable[.
 
 
 def available_rewards() -> list[str]:
-    """Sorted names of the registered rewards."""
-    _import_builtins()
-    return sorted(_REGISTRY)
+    """Sorted names of the built-in and registered rewards."""
+    return sorted({*BUILTIN_REWARDS, *_REGISTRY})
 
 
-def _import_builtins() -> None:
-    # Importing the modules registers their rewards; heavy dependencies inside them are imported lazily.
-    from . import jpeg, shapes, simple, video  # noqa: F401
-
-    for optional in ("ocr", "clip_family", "hpsv2", "imagereward", "http", "geneval"):
-        try:
-            importlib.import_module(f"{__package__}.{optional}")
-        except ModuleNotFoundError as err:
-            if err.name != f"{__package__}.{optional}":
-                raise
+def registered(name: str) -> tuple[Callable[..., Any], bool] | None:
+    """``(object, factory)`` of a registered or built-in reward name (a built-in's module is imported here; heavy
+    dependencies inside it are imported lazily), or ``None``."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name not in BUILTIN_REWARDS:
+        return None
+    target, factory = BUILTIN_REWARDS[name]
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr), factory
 
 
 def _import_dotted(path: str) -> Any:
@@ -78,9 +119,9 @@ def get_reward(spec: str | RewardFunc, **options: Any) -> RewardFunc:
         return spec
     if not isinstance(spec, str):
         raise TypeError(f"A reward must be a callable or a string, got {type(spec).__name__}.")
-    _import_builtins()
-    if spec in _REGISTRY:
-        obj, is_factory = _REGISTRY[spec]
+    entry = registered(spec)
+    if entry is not None:
+        obj, is_factory = entry
         if is_factory:
             fn = obj(**options)
             if getattr(fn, "__name__", None) is None:

@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import torch
 
-from .registry import register_reward
 
-
-@register_reward("brightness")
 def brightness(prompts: list[str], images: torch.Tensor, **_: object) -> list[float]:
     """Mean pixel intensity in ``[0, 1]`` (higher is brighter)."""
     return images.float().mean(dim=(1, 2, 3)).tolist()
 
 
-@register_reward("darkness")
 def darkness(prompts: list[str], images: torch.Tensor, **_: object) -> list[float]:
     """``1 -`` mean pixel intensity: the opposite objective of ``brightness`` (for conflict experiments)."""
     return (1.0 - images.float().mean(dim=(1, 2, 3))).tolist()
 
 
-@register_reward("saturation")
 def saturation(prompts: list[str], images: torch.Tensor, **_: object) -> list[float]:
     """Mean HSV-style saturation ``(max - min) / max`` over pixels, in ``[0, 1]``."""
     x = images.float()
@@ -31,7 +26,6 @@ def saturation(prompts: list[str], images: torch.Tensor, **_: object) -> list[fl
     return ((mx - mn) / mx.clamp(min=1e-6)).mean(dim=(1, 2)).tolist()
 
 
-@register_reward("contrast")
 def contrast(prompts: list[str], images: torch.Tensor, **_: object) -> list[float]:
     """Standard deviation of the grey-level image (RMS contrast), in ``[0, 0.5]``."""
     grey = images.float().mean(dim=1)

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from .base import _signature, accepted_trainer_kwargs, reward_name
-from .registry import register_reward
 
 FRAME_CHOICES = ("mean", "first", "middle", "last")
 
@@ -119,7 +118,6 @@ def as_video_rewards(reward_funcs: Sequence[Any], frames: str | int) -> list[Vid
     return [VideoReward(fn, frames) for fn in reward_funcs]
 
 
-@register_reward("temporal_consistency")
 def temporal_consistency(prompts: list[str], videos: torch.Tensor, **_: Any) -> list[float]:
     """``1 - 2 * mean |frame_{t+1} - frame_t|`` clamped to [0, 1]: 1 for a still video, lower the more it
     flickers (a video-native reward; a still video maximises it, so pair it with content rewards)."""

@@ -16,7 +16,6 @@ import inspect
 from typing import Any
 
 from ..base import RewardFunc
-from ..registry import register_reward
 from .reward import DEFAULT_CLIP, DEFAULT_DETECTOR, GenEvalReward
 from .rules import (
     COLORS,
@@ -43,7 +42,6 @@ __all__ = [
 ]
 
 
-@register_reward("geneval", factory=True)
 def geneval(url: str | None = None, name: str = "geneval", **options: Any) -> RewardFunc:
     """GenEval: over HTTP when ``url`` is given (an HTTPReward logged as ``geneval``; the server reads ``metadata``),
     else in this process (:class:`GenEvalReward`)."""
