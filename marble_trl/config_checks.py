@@ -10,7 +10,8 @@ import os
 
 from .advantages import SCALE_REWARDS
 from .balance.marble import AMORTISED_MODES, SILENT_MODES
-from .balance.weightings import AGGREGATORS
+from .balance.registry import ADVANTAGE_AGGREGATIONS
+from .balance.registry import AGGREGATIONS as _ENTRIES
 from .nft import DECAY_TYPES
 from .resume import APPLIED_FIELDS, EXACT_FIELDS
 from .rewards.video import check_frames
@@ -19,10 +20,9 @@ from .sources import normalise_ratios
 
 logger = logging.getLogger("marble_trl.nft_config")  # the config's warnings, under the config's logger name
 
-# Every aggregation that balances per-reward gradients through the balancer (MARBLE's machinery: engine, EMA, refresh).
-BALANCER_AGGREGATIONS = ("marble", *AGGREGATORS)
-AGGREGATIONS = ("auto", "sum_then_normalize", "normalize_then_sum", *BALANCER_AGGREGATIONS)
-WEIGHTED_SUM_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")  # reward_weights enter the advantages
+# The accepted values (balance/registry.py holds the entries): 'auto' resolves to one of them.
+AGGREGATIONS = ("auto", *_ENTRIES)
+WEIGHTED_SUM_AGGREGATIONS = ADVANTAGE_AGGREGATIONS  # reward_weights enter the advantages
 MARBLE_PROCEDURES = ("paper", "released")
 
 
@@ -221,7 +221,9 @@ def check_marble_procedure(self, need) -> None:
         f"{self.marble_procedure!r}: drop them, or set marble_procedure (docs/marble.md).",
     )
     need(
-        not released or self.multi_objective_aggregation in ("marble", "auto"),
+        not released
+        or self.multi_objective_aggregation == "auto"
+        or "released" in _ENTRIES[self.multi_objective_aggregation].procedures,
         "marble_procedure='released' is MARBLE's own procedure: it needs multi_objective_aggregation 'marble' (or "
         f"'auto'), got {self.multi_objective_aggregation!r}.",
     )

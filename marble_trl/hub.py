@@ -208,7 +208,7 @@ def reward_summary(info: CardInfo) -> list[dict[str, Any]]:
 
 def coefficient_summary(info: CardInfo, max_rows: int = 8) -> dict[str, Any] | None:
     """MARBLE's coefficients: final alpha_bar, the range of alpha* over refreshes, and a thinned trajectory."""
-    from .config_checks import BALANCER_AGGREGATIONS
+    from .balance.registry import BALANCER_AGGREGATIONS
 
     if info.aggregation not in BALANCER_AGGREGATIONS:
         return None

@@ -13,7 +13,8 @@ from tiny import brightness, contrast, tiny_args
 
 from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.balance import MarbleBalancer
-from marble_trl.balance.weightings import AGGREGATORS, WEIGHTINGS, as_solver
+from marble_trl.balance.registry import AGGREGATORS, WEIGHTINGS
+from marble_trl.balance.weightings import as_solver
 from marble_trl.data import load_prompt_dataset
 
 NON_CONFLICTING = ("mgda", "upgrad", "dualproj")  # methods whose update conflicts with no gradient
@@ -202,3 +203,32 @@ def test_every_aggregation_trains_through_the_trainer(name, tmp_path):
     assert all(v >= 0 for v in a) and math.isclose(sum(a), 1.0, abs_tol=1e-9)
     if name == "mgda":  # no EMA: alpha_bar is the last QP solution
         assert a == pytest.approx([logs[-1]["marble/alpha/brightness"], logs[-1]["marble/alpha/contrast"]])
+
+
+# The registry: one entry per aggregation name ---------------------------------------------------------------------
+
+
+def test_the_registry_is_the_one_list_of_aggregations():
+    from marble_trl.balance.qp import solve_min_norm
+    from marble_trl.balance.registry import ADVANTAGE_AGGREGATIONS, AGGREGATIONS, BALANCER_AGGREGATIONS
+    from marble_trl.config_checks import AGGREGATIONS as ACCEPTED
+    from marble_trl.config_checks import WEIGHTED_SUM_AGGREGATIONS
+
+    assert ACCEPTED == ("auto", *AGGREGATIONS)
+    assert set(ADVANTAGE_AGGREGATIONS) | set(BALANCER_AGGREGATIONS) == set(AGGREGATIONS)
+    assert ADVANTAGE_AGGREGATIONS == WEIGHTED_SUM_AGGREGATIONS == ("sum_then_normalize", "normalize_then_sum")
+    assert set(AGGREGATORS) == set(BALANCER_AGGREGATIONS) - {"marble"} and "mgda" in AGGREGATORS
+    assert [n for n, a in AGGREGATIONS.items() if "released" in a.procedures] == ["marble"]
+    assert [n for n, a in AGGREGATIONS.items() if a.balanced and not a.ema] == ["mgda"]
+    j = np.abs(np.random.default_rng(0).normal(size=(4, 7)))  # no Pareto-stationary point: every weighting has one
+    gram = (j / np.linalg.norm(j, axis=1, keepdims=True)) @ (j / np.linalg.norm(j, axis=1, keepdims=True)).T
+    for name in ADVANTAGE_AGGREGATIONS:
+        with pytest.raises(ValueError, match="no gradient solver"):
+            AGGREGATIONS[name].solver()
+    for name in BALANCER_AGGREGATIONS:
+        res = AGGREGATIONS[name].solver()(gram)
+        assert res.ok and res.alpha.shape == (4,) and abs(res.alpha.sum() - 1) < 1e-9 and (res.alpha >= 0).all(), name
+    # MARBLE and MGDA are the min-norm QP itself (its status and polish), not the weights renormalised
+    for name in ("marble", "mgda"):
+        assert np.array_equal(AGGREGATIONS[name].solver()(gram).alpha, solve_min_norm(gram).alpha)
+        assert AGGREGATIONS[name].solver()(gram).status == solve_min_norm(gram).status

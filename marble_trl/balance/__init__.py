@@ -13,9 +13,13 @@ from .engines import (
 )
 from .marble import MarbleBalancer, RefreshInfo, StepWeights
 from .qp import QPResult, normalized_gram, solve_min_norm, solve_normalized_min_norm
+from .registry import AGGREGATIONS, Aggregation, Weighting
 from .released import PairSolve, ReleasedMarble
 
 __all__ = [
+    "AGGREGATIONS",
+    "Aggregation",
+    "Weighting",
     "ENGINE_NAMES",
     "GradientEngine",
     "ReferenceGradientEngine",

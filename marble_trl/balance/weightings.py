@@ -33,8 +33,6 @@ import numpy as np
 
 from .qp import QPResult, solve_min_norm
 
-AGGREGATORS = ("mgda", "upgrad", "dualproj", "pcgrad", "imtl_g", "aligned_mtl", "cagrad", "nash_mtl")
-
 
 def _qp_lower_bounded(gram: np.ndarray, u: np.ndarray) -> np.ndarray:
     """``argmin_v v^T G v`` subject to ``v >= u`` (the dual-cone projection of ``J^T u`` in weight space)."""
@@ -53,10 +51,13 @@ def _qp_lower_bounded(gram: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 class MGDAWeighting:
     """MGDA's min-norm point of the convex hull (MARBLE's QP, ``qp.solve_min_norm``): ``min ||sum w_k g_k||`` on the
-    simplex."""
+    simplex. :meth:`solve` is the balancer's solver (the QP's status and polish, not only the weights)."""
 
     def __call__(self, gram: np.ndarray) -> np.ndarray:
         return np.array(solve_min_norm(gram).alpha)
+
+    def solve(self, gram: np.ndarray) -> QPResult:
+        return solve_min_norm(gram)
 
 
 class UPGradWeighting:
@@ -195,18 +196,6 @@ class NashMTLWeighting:
             if np.abs(grad).max() < 1e-12:
                 break
         return w / math.sqrt(scale)
-
-
-WEIGHTINGS = {
-    "mgda": MGDAWeighting,
-    "upgrad": UPGradWeighting,
-    "dualproj": DualProjWeighting,
-    "pcgrad": PCGradWeighting,
-    "imtl_g": IMTLGWeighting,
-    "aligned_mtl": AlignedMTLWeighting,
-    "cagrad": CAGradWeighting,
-    "nash_mtl": NashMTLWeighting,
-}
 
 
 def as_solver(weighting):

@@ -205,6 +205,7 @@ def _batching(args, parsed, strategy: Strategy, report: Report) -> None:
 
 
 def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: int, report: Report) -> None:
+    from ..balance.registry import AGGREGATIONS
     from ..commands.train import _resolve_dtype
     from ..trainer.setup import resolve_aggregation
     from .fixes import plan_fixes, valid_micro_batches
@@ -215,7 +216,7 @@ def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: i
         return
     dtype = _resolve_dtype(parsed.script_args.torch_dtype, SimpleNamespace(bf16=parsed.bf16, fp16=args.fp16))
     aggregation = resolve_aggregation(args.multi_objective_aggregation, k)
-    balancer = aggregation not in ("sum_then_normalize", "normalize_then_sum") or args.log_update_cosines
+    balancer = AGGREGATIONS[aggregation].balanced or args.log_update_cosines
     tokens = (
         info.architecture.tokens(args.resolution, args.max_sequence_length, args.num_frames)
         if info.architecture

@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from ..balance.weightings import AGGREGATORS
+from ..balance.registry import AGGREGATORS
 from ..scores import mean_sem
 from .scorers import EVAL_NAMES, REWARD_NAMES
 

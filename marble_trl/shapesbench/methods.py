@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from ..balance.weightings import AGGREGATORS
+from ..balance.registry import AGGREGATORS
 from .scorers import REWARD_NAMES, SPECIALIST_REWARDS, STRESS_REWARDS
 
 # Stage order of the sequential baseline: specialists first, then the general rewards (a hand-made schedule).

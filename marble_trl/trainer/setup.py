@@ -101,16 +101,16 @@ def training_rewards(reward_funcs, args, columns) -> tuple[list[RewardFunc], lis
 
 
 def make_balancer(aggregation: str, args, reward_names: list[str]):
-    """The balancer of a gradient-space aggregation (``None`` for the advantage-space ones): MARBLE's min-norm QP (the
-    paper's procedure, or the released one: ``marble_procedure``), or another weighting of ``balance.weightings`` as
-    its solver; ``mgda`` is MARBLE's QP without EMA (rho 0)."""
+    """The balancer of a gradient-space aggregation (``None`` for the advantage-space ones): the registry's entry
+    (``balance/registry.py``) gives its weighting and whether the EMA applies; ``marble_procedure: released`` is
+    MARBLE's own procedure."""
     from ..balance import MarbleBalancer, ReleasedMarble
-    from ..balance.weightings import WEIGHTINGS, as_solver
-    from ..config_checks import BALANCER_AGGREGATIONS
+    from ..balance.registry import aggregation as entry
 
-    if aggregation not in BALANCER_AGGREGATIONS:
+    spec = entry(aggregation)
+    if not spec.balanced:
         return None
-    if aggregation == "marble" and args.marble_procedure == "released":
+    if args.marble_procedure == "released":  # MARBLE's own procedure (the config allows it for 'marble' only)
         return ReleasedMarble(
             reward_names,
             rho=args.marble_rho,
@@ -124,15 +124,14 @@ def make_balancer(aggregation: str, args, reward_names: list[str]):
             dropout_prob=args.marble_reward_dropout_prob,
             dropout_warmup_steps=args.marble_reward_dropout_warmup_steps,
         )
-    extra = {} if aggregation in ("marble", "mgda") else {"solver": as_solver(WEIGHTINGS[aggregation]())}
     return MarbleBalancer(
         reward_names=reward_names,
-        rho=0.0 if aggregation == "mgda" else args.marble_rho,
+        rho=args.marble_rho if spec.ema else 0.0,
         refresh_interval=args.marble_refresh_interval,
         uniform_final_steps=args.marble_uniform_final_steps,
         amortised=args.marble_amortised_update,
         silent=args.marble_silent_rewards,
-        **extra,
+        solver=spec.solver(),
     )
 
 
