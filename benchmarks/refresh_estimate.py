@@ -81,7 +81,7 @@ def main() -> None:
         trainer._step_batches = batches
         engine = per_reward_engine(
             trainer._gradient_engine, batches[0], "auto", trainer.trainable_parameters, len(trainer.reward_funcs),
-            False, trainer.transformer,
+            trainer.backend, trainer.transformer,
         )  # fmt: skip
         trainer._gradient_engine = engine
         num_train = batches[0].timestep_index.shape[1]
@@ -89,7 +89,7 @@ def main() -> None:
             transformer=trainer.transformer, predict=trainer.model_adapter.predict, sigmas=trainer.train_sigmas,
             settings=trainer._loss_settings, engine=engine,
             noise_generator=lambda m: trainer._generator(2, trainer._global_batch_index(m)), autocast=trainer._autocast,
-            scale=1.0 / (num_train * len(batches)), device=trainer.accelerator.device, world=1,
+            scale=1.0 / (num_train * len(batches)), device=trainer.accelerator.device, backend=trainer.backend,
         )  # fmt: skip
         total = len(batches) * num_train
         signal = batches[0].plan.has_signal

@@ -79,7 +79,7 @@ class NonFiniteGuard(TrainerCallback):
 
     def flag(self, reason: str) -> None:
         """Mark the current step as non-finite (called while the step's gradients are formed)."""
-        if self.trainer.is_deepspeed_enabled:
+        if not self.trainer.backend.can_skip_step:
             raise FloatingPointError(
                 f"Step {self.trainer.state.global_step}: {reason}. Under DeepSpeed the engine steps inside the "
                 "backward, so the step cannot be skipped; lower the learning rate or check the rewards and inputs."
@@ -101,7 +101,7 @@ class NonFiniteGuard(TrainerCallback):
         return getattr(self.trainer.accelerator, "scaler", None)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.trainer.is_deepspeed_enabled:
+        if not self.trainer.backend.can_skip_step:
             return
         if self._scaler() is not None:
             return  # fp16: the GradScaler skips steps with inf/NaN gradients itself (and needs them to see it)
@@ -124,7 +124,7 @@ class NonFiniteGuard(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         self.stepped = not self.skipped
-        if self.trainer.is_deepspeed_enabled or self.skipped:
+        if not self.trainer.backend.can_skip_step or self.skipped:
             return
         if self._scaler() is not None:
             # the GradScaler's skip is the guard's: nothing moved, so neither may the old policy nor the EMA

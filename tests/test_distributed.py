@@ -176,3 +176,35 @@ def test_fsdp_config_on_one_process_says_it_does_not_shard(tmp_path, monkeypatch
         trainer = MarbleDiffusionNFTTrainer("tiny", brightness, args=args, train_dataset=load_prompt_dataset())
     assert not trainer.is_fsdp_enabled
     assert "this run does NOT shard the transformer" in caplog.text and "1 cpu process(es)" in caplog.text
+
+
+def test_each_backend_answers_the_capability_questions():
+    """The trainer asks its back-end, never the launcher: one row per back-end (the launcher tests run each)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from marble_trl.trainer.backends import DeepSpeedBackward, FSDPBackward, PlainBackward, make_backend
+
+    def accelerator(kind, zero_stage=0):
+        plugin = SimpleNamespace(zero_stage=zero_stage)
+        return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=plugin), num_processes=2)
+
+    rows = {
+        "ddp": make_backend(accelerator(DistributedType.MULTI_CPU)),
+        "zero2": make_backend(accelerator(DistributedType.DEEPSPEED, 2)),
+        "zero3": make_backend(accelerator(DistributedType.DEEPSPEED, 3)),
+        "fsdp2": make_backend(accelerator(DistributedType.FSDP)),
+    }
+    assert [type(b) for b in rows.values()] == [PlainBackward, DeepSpeedBackward, DeepSpeedBackward, FSDPBackward]
+    table = {
+        name: (b.owns_gradients, b.can_skip_step, b.shards_transformer, b.reduces_update_gradient,
+               b.update_row_in_engine, b.checkpoint_owner)
+        for name, b in rows.items()
+    }  # fmt: skip
+    assert table == {
+        "ddp": (False, True, False, False, False, "trainer"),
+        "zero2": (True, False, False, True, True, "deepspeed"),
+        "zero3": (True, False, True, True, True, "deepspeed"),
+        "fsdp2": (False, True, True, True, False, "fsdp"),
+    }

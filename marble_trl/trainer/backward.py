@@ -2,19 +2,8 @@
 
 For every training timestep ``t`` of a sample (DiffusionNFT, arXiv 2509.16117, Alg. 1): noise the clean latent to
 ``x_t``, predict ``v_old`` (old-policy adapter) and, with KL on, ``v_ref`` (adapters off) without gradients, then the
-policy's ``v_theta`` and the NFT loss, and back-propagate. How the gradient is formed differs per back-end, so each
-has a strategy object with the same two methods:
-
-- :class:`PlainBackward` (one process or DDP): the per-reward gradients (MARBLE refresh steps and the cosine
-  diagnostic) and the update come from one forward through the unwrapped module, which the gradient engine
-  back-propagates itself (the step's gradients are all-reduced by hand in :meth:`PlainBackward.all_reduce`);
-- :class:`DeepSpeedBackward`: DeepSpeed hooks every backward through its engine's outputs, so the per-reward gradients
-  get a forward of their own through the unwrapped module, which DeepSpeed never sees, and the update goes through the
-  DeepSpeed engine (:func:`marble_trl.distributed.backward`: one optimizer step per ``GA x T`` backward calls);
-- :class:`FSDPBackward` (FSDP2): the transformer is its own wrapper, so everything runs through it as in one process;
-  FSDP's hooks gather each block's weights for the forward and the engine's backward passes (which read layer inputs
-  and output gradients, never the weights) and reduce-scatter ``.grad`` into this process's shard, so only the
-  per-reward buffers are all-reduced by hand, and Eq. 7's update is added to ``.grad`` shard by shard.
+policy's ``v_theta`` and the NFT loss, and back-propagate. How the gradient is formed differs per back-end (plain /
+DDP, DeepSpeed, FSDP2): :mod:`marble_trl.trainer.backends`.
 """
 
 from __future__ import annotations
@@ -26,166 +15,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..balance import (
-    GradientEngine,
-    MarbleBalancer,
-    RefreshInfo,
-    cosine_stats,
-    make_gradient_engine,
-    unflatten,
-    update_cosines,
-)
-from ..distributed import backward, full_tensor, shard_like
+from ..balance import GradientEngine, MarbleBalancer, RefreshInfo, cosine_stats, make_gradient_engine, update_cosines
 from ..lora import use_old_policy, use_reference
-from ..nft import NFTTerms, add_noise, advantage_to_r, masked_weights, nft_loss, nft_loss_terms, nft_weighted_loss
+from ..nft import add_noise, advantage_to_r, masked_weights, nft_loss, nft_loss_terms, nft_weighted_loss
+from .backends import Backend, LossSettings
 from .step import MicroBatch
 
 # predict(module, x_t, sigma, embeds) -> velocity: the model family's forward (marble_trl.models)
 Predict = Callable[..., torch.Tensor]
 
 
-@dataclass(frozen=True)
-class LossSettings:
-    """The loss's hyperparameters (from the config), read by every timestep."""
-
-    nft_beta: float
-    beta: float  # KL weight
-    adv_clip_max: float
-    refresh_update: str  # marble_refresh_update
-    masked_solve: bool = False  # marble_masked_solve: per-reward gradients of a refresh average applicable samples
-
-
 @dataclass
 class MicroBatchResult:
     total: torch.Tensor  # sum over timesteps of the (unscaled) loss, detached
     sums: dict[str, torch.Tensor]  # per-timestep metric sums, detached
-
-
-class PlainBackward:
-    """One process or DDP (accelerate's ``backward``; ``no_sync`` on all but a micro-batch's last timestep)."""
-
-    def __init__(self, accelerator) -> None:
-        self.accelerator = accelerator
-
-    def per_reward_r(self, r_k: torch.Tensor, r: torch.Tensor, mode: str) -> torch.Tensor:
-        return r_k
-
-    def timestep(
-        self,
-        model,
-        transformer: torch.nn.Module,
-        forward: Callable,
-        engine: GradientEngine | None,
-        plan_mode: str,
-        settings: LossSettings,
-        r_k: torch.Tensor | None,
-        scale: float,
-        last: bool,
-        weights: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, NFTTerms, torch.Tensor]:
-        """One timestep's forward(s) and backward; returns ``(v_theta, terms, loss)`` of the update's forward
-        (``weights``: a masked solve's per-reward sample weights for the engine)."""
-        if engine is None:
-            return self.ordinary(model, forward, scale, last)
-        # Forward through the unwrapped module: the engine back-propagates itself (DDP is bypassed).
-        with engine.capture(transformer):
-            v_theta, terms, loss = forward(transformer)
-            if plan_mode == "refresh" and settings.refresh_update == "gradient":
-                extra = settings.beta * terms.kl.mean() * scale if settings.beta > 0 else None  # Eq. 8: KL apart
-            else:
-                extra = loss * scale
-            weight = engine_scale(settings, scale, terms.loss_pos.shape[0])
-            engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=weight, extra_loss=extra, weights=weights)
-        return v_theta, terms, loss
-
-    def ordinary(self, model, forward: Callable, scale: float, last: bool):
-        """The update's forward through ``model`` (the DDP / DeepSpeed wrapper) and its backward; gradients are
-        synchronised on a micro-batch's last timestep only."""
-        context = contextlib.nullcontext() if last else self.accelerator.no_sync(model)
-        with context:
-            v_theta, terms, loss = forward(model)
-            backward(self.accelerator, loss * scale, last_of_micro_batch=last)
-        return v_theta, terms, loss
-
-    def average_buffers(self, buffers: torch.Tensor) -> None:
-        """Average the per-reward buffers over the processes."""
-        world = self.accelerator.num_processes
-        if world > 1:
-            torch.distributed.all_reduce(buffers)
-            buffers.div_(world)
-
-    def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-        """Average the per-reward buffers and the update's ``.grad`` over the processes (DDP was bypassed)."""
-        world = self.accelerator.num_processes
-        if world == 1:
-            return
-        self.average_buffers(buffers)
-        for p in params:
-            if p.grad is not None:
-                torch.distributed.all_reduce(p.grad)
-                p.grad.div_(world)
-
-    def update_and_rows(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]):
-        """The step's update (its flat gradient, KL included) and the per-reward rows, for the cosine diagnostic."""
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
-        return flat, buffers
-
-    def apply_update(self, update: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-        """Add MARBLE's Eq. 7 direction to ``.grad`` (which holds the KL term's gradient)."""
-        for p, chunk in zip(params, unflatten(update, params)):
-            chunk = chunk.to(device=p.device, dtype=p.dtype)
-            p.grad = chunk.clone() if p.grad is None else p.grad.add_(chunk)
-
-
-class DeepSpeedBackward(PlainBackward):
-    """DeepSpeed (ZeRO 1-3): the update's gradient lives in DeepSpeed's partitions, not in ``.grad``."""
-
-    def per_reward_r(self, r_k: torch.Tensor, r: torch.Tensor, mode: str) -> torch.Tensor:
-        # The cosine diagnostic needs the update's own (KL-free) gradient: the engine computes it as a last row.
-        return torch.cat([r_k, r[None]]) if mode == "cosines" else r_k
-
-    def timestep(self, model, transformer, forward, engine, plan_mode, settings, r_k, scale, last, weights=None):
-        if engine is not None:
-            with engine.capture(transformer):
-                _, terms_k, _ = forward(transformer)
-                weight = engine_scale(settings, scale, terms_k.loss_pos.shape[0])
-                engine.accumulate(terms_k.loss_pos, terms_k.loss_neg, r_k, scale=weight, weights=weights)
-            del terms_k
-        return self.ordinary(model, forward, scale, last)
-
-    def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-        self.average_buffers(buffers)  # DeepSpeed has reduced (and applied) the update's gradient itself
-
-    def update_and_rows(self, buffers, params):
-        return buffers[-1].float(), buffers[:-1]  # the update's gradient without the KL term: the engine's last row
-
-    def apply_update(self, update, params):
-        raise RuntimeError("DeepSpeed owns the gradients: its 'gradient' refreshes are solved first (solve_first).")
-
-
-class FSDPBackward(PlainBackward):
-    """FSDP2: ``.grad`` holds this process's shard of the averaged gradient (FSDP reduce-scatters it in the backward)."""
-
-    def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-        self.average_buffers(buffers)  # FSDP has reduce-scattered the update's .grad itself
-
-    def update_and_rows(self, buffers, params):
-        # Every process gathers the whole gradient (the cosines are computed alike everywhere).
-        grads = [
-            full_tensor(p.grad) if p.grad is not None else torch.zeros(p.shape, device=buffers.device) for p in params
-        ]
-        return torch.cat([g.reshape(-1).float() for g in grads]), buffers
-
-    def apply_update(self, update: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-        """Add this process's shard of MARBLE's Eq. 7 direction (the same on every process) to ``.grad``."""
-        for p, chunk in zip(params, unflatten(update, params)):
-            chunk = shard_like(chunk, p)
-            p.grad = chunk.clone() if p.grad is None else p.grad.add_(chunk)
-
-
-def engine_scale(settings: LossSettings, scale: float, batch_size: int) -> float:
-    """The per-reward sums' weight: the NFT loss's ``A_max / nft_beta`` prefactor and its mean over samples."""
-    return settings.adv_clip_max / settings.nft_beta * scale / batch_size
 
 
 def micro_batch_loss(
@@ -196,7 +39,7 @@ def micro_batch_loss(
     predict: Predict,
     sigmas: torch.Tensor,
     settings: LossSettings,
-    backend: PlainBackward,
+    backend: Backend,
     engine: GradientEngine | None,
     noise_generator: torch.Generator,
     autocast: Callable[[], contextlib.AbstractContextManager],
@@ -291,14 +134,14 @@ def per_reward_engine(
     kind: str,
     trainable: Callable[[], dict[str, torch.nn.Parameter]],
     num_rewards: int,
-    deepspeed: bool,
+    backend: Backend,
     module: torch.nn.Module,
 ) -> GradientEngine:
     """The step's per-reward gradient engine: ``engine``, or a new one of ``kind`` (``marble_gradient_engine``) over
-    the parameters ``trainable()`` returns, built on first use (and again when the row count changes: DeepSpeed's
-    cosine steps have one more); its buffers are zeroed at the step's first micro-batch."""
-    # Under DeepSpeed the update's gradient is not in .grad: the cosine diagnostics get it as one more row.
-    rows = num_rewards + int(deepspeed and batch.plan.mode == "cosines")
+    the parameters ``trainable()`` returns, built on first use (and again when the row count changes: a cosine step
+    of a back-end owning the gradients has one more); its buffers are zeroed at the step's first micro-batch."""
+    # Where the update's gradient is not in .grad (DeepSpeed), the cosine diagnostics get it as one more row.
+    rows = num_rewards + int(backend.update_row_in_engine and batch.plan.mode == "cosines")
     if engine is None or engine.num_rewards != rows:
         # Sized from the whole shapes: ZeRO-3 / FSDP2 parameters are not gathered for it (a gather between a rollout and
         # the training passes fails under ZeRO-3: the rollout leaves parameters in use).
@@ -322,7 +165,7 @@ def finish_engine_step(
     engine: GradientEngine,
     plan_mode: str,
     has_signal: torch.Tensor,
-    backend: PlainBackward,
+    backend: Backend,
     balancer: MarbleBalancer | None,
     refresh_update: str,
     flagged: bool,

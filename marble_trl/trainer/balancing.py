@@ -30,7 +30,7 @@ class BalancingHooks:
         if batch.plan.needs_engine or batch.plan.mode == "solve_first":
             self._gradient_engine = per_reward_engine(
                 self._gradient_engine, batch, self.args.marble_gradient_engine, self.trainable_parameters,
-                len(self.reward_funcs), self.is_deepspeed_enabled, self.transformer,
+                len(self.reward_funcs), self.backend, self.transformer,
             )  # fmt: skip
             return self._gradient_engine
         return None
@@ -54,7 +54,7 @@ class BalancingHooks:
             device=self.accelerator.device,
             subset=self.args.marble_refresh_subset,
             balancer=self.balancer,
-            world=self.accelerator.num_processes,
+            backend=self.backend,
             log_update_cosines=self._update_cosines_this_step,
         )
         if result.skipped:
@@ -71,7 +71,7 @@ class BalancingHooks:
             engine,
             plan.mode,
             plan.has_signal,
-            self._backward,
+            self.backend,
             self.balancer,
             self._loss_settings.refresh_update,
             bool(self.nonfinite_guard.reasons),
@@ -99,7 +99,7 @@ class BalancingHooks:
         def engine():
             self._gradient_engine = per_reward_engine(
                 self._gradient_engine, batch, self.args.marble_gradient_engine, self.trainable_parameters,
-                len(self.reward_funcs), False, self.transformer,
+                len(self.reward_funcs), self.backend, self.transformer,  # a "pairwise" plan: K rows on every back-end
             )  # fmt: skip
             return self._gradient_engine
 
@@ -113,7 +113,7 @@ class BalancingHooks:
             predict=self.model_adapter.predict,
             sigmas=self.train_sigmas,
             settings=self._loss_settings,
-            backend=self._backward,
+            backend=self.backend,
             noise_generator=self._generator(2, self._global_batch_index(batch.index)),
             autocast=self._autocast,
             scale=scale,

@@ -293,7 +293,7 @@ def load_best_checkpoint(trainer: Trainer) -> None:
     """``load_best_model_at_end``: copy the trained LoRA, the old-policy adapter and the parameter EMA (which the
     evaluation scored when ``eval_use_param_ema``) of ``state.best_model_checkpoint`` into the trainer."""
     folder = Path(trainer.state.best_model_checkpoint)
-    if trainer.is_deepspeed_enabled:
+    if trainer.backend.checkpoint_owner == "deepspeed":
         logger.warning(
             "load_best_model_at_end is not supported with DeepSpeed here: the final weights are kept. The best "
             "checkpoint (%s, %s = %s) exports with `marble-trl export --checkpoint %s`.",

@@ -25,15 +25,8 @@ import torch
 
 from ..balance import GradientEngine, PairSolve, ReleasedMarble
 from ..nft import advantage_to_r, masked_weights
-from .backward import (
-    LossSettings,
-    MicroBatchResult,
-    PlainBackward,
-    Predict,
-    engine_scale,
-    policy_forward,
-    timestep_inputs,
-)
+from .backends import Backend, LossSettings, engine_scale
+from .backward import MicroBatchResult, Predict, policy_forward, timestep_inputs
 from .step import MicroBatch
 
 
@@ -55,7 +48,7 @@ def pairwise_micro_batch_loss(
     predict: Predict,
     sigmas: torch.Tensor,
     settings: LossSettings,
-    backend: PlainBackward,
+    backend: Backend,
     noise_generator: torch.Generator,
     autocast: Callable[[], contextlib.AbstractContextManager],
     scale: float,

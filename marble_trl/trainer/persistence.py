@@ -69,7 +69,7 @@ class PersistenceHooks:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's, except under FSDP: there it writes only FSDP's own state dict (whole transformer, or none
         with ``SHARDED_STATE_DICT``); the LoRA file is ``_save``'s, gathered on every process."""
-        if not self.is_fsdp_enabled:
+        if self.backend.checkpoint_owner != "fsdp":
             return super().save_model(output_dir, _internal_call)
         self._save(output_dir)
         if self.args.push_to_hub and not _internal_call:
@@ -97,7 +97,7 @@ class PersistenceHooks:
         from transformers import TrainerState
         from transformers.trainer_utils import TrainOutput
 
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        if self.backend.checkpoint_owner != "trainer":
             raise ValueError(
                 f"{folder} is at step {step}, max_steps={self.args.max_steps}: nothing is left to train. Its trained "
                 f"LoRA is {folder}/pytorch_lora_weights.safetensors (`marble-trl export {folder}` writes the "
@@ -123,7 +123,7 @@ class PersistenceHooks:
         """The Trainer's, except under FSDP: only the optimizer's sharded state and the scheduler, not FSDP's state
         dict of the whole transformer (its frozen base weights, 4.2 GiB for SD3.5 Medium, are the base model's, and
         the adapters are in the checkpoint's LoRA files, which the resume loads)."""
-        if not self.is_fsdp_enabled:
+        if self.backend.checkpoint_owner != "fsdp":
             return super()._save_optimizer_and_scheduler(output_dir)
         from accelerate.utils import save_fsdp_optimizer
         from transformers.trainer import SCHEDULER_NAME
@@ -149,7 +149,9 @@ class PersistenceHooks:
         # The restored optimizer / scheduler states carry the old learning rate: apply an allowed new one.
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
-            if self.is_deepspeed_enabled:  # the engine has restored the trained adapter and the optimizer: the rest
+            if (
+                self.backend.checkpoint_owner == "deepspeed"
+            ):  # the engine has restored the trained adapter and the optimizer: the rest
                 load_training_state(self, checkpoint, engine_restored=True)
             apply_changed_hyperparameters(self, checkpoint)
 

@@ -30,7 +30,8 @@ import torch
 
 from ..balance import GradientEngine, MarbleBalancer, RefreshInfo
 from ..nft import advantage_to_r, masked_weights
-from .backward import LossSettings, Predict, engine_scale, policy_forward, timestep_inputs
+from .backends import Backend, LossSettings, engine_scale
+from .backward import Predict, policy_forward, timestep_inputs
 from .step import MicroBatch
 
 
@@ -62,7 +63,7 @@ def subset_gradients(
     scale: float,
     device: torch.device,
     subset: int,
-    world: int,
+    backend: Backend,
 ) -> int:
     """Phase 1's per-reward gradients of ``subset`` pairs of this process's micro-batches of the step, accumulated into
     ``engine.buffers`` (zeroed first) and all-reduced; ``noise_generator(m)``: micro-batch ``m``'s noise stream, as
@@ -87,9 +88,7 @@ def subset_gradients(
                 _, terms, _ = policy_forward(inputs, x0, batch, r, predict, settings, autocast)(transformer)
                 engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=weight, weights=masks)
             del terms
-    if world > 1:
-        torch.distributed.all_reduce(engine.buffers)
-        engine.buffers.div_(world)
+    backend.average_buffers(engine.buffers)
     return pairs
 
 

@@ -56,11 +56,8 @@ from ..console import order_logs, use_compact_console
 from ..data import GroupSampler
 from ..distributed import (
     check_frozen_models_not_partitioned,
-    configure_deepspeed,
-    configure_fsdp,
     disable_zero3_init,
     num_train_timesteps,
-    shard_lora_layers_outside_blocks,
 )
 from ..guards import NonFiniteGuard
 from ..lora import TRAIN_ADAPTER, LoraEMA, OldPolicy, add_policy_adapters, lora_parameters, use_old_policy
@@ -73,7 +70,8 @@ from ..rollout import make_scheduler
 from ..seeding import keyed_generator
 from ..sources import SOURCE_COLUMN
 from ..trackers import adapt_model_config, log_image
-from .backward import DeepSpeedBackward, FSDPBackward, LossSettings, PlainBackward, micro_batch_loss
+from .backends import LossSettings, make_backend
+from .backward import micro_batch_loss
 from .balancing import BalancingHooks
 from .evaluate import EvaluationHooks
 from .interruptions import SaveOnSignalCallback
@@ -220,14 +218,8 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         self.rollout_scheduler = make_scheduler(args.sample_scheduler, self.pipeline.scheduler)
         self.train_sigmas = self.model_adapter.training_grid(args.num_sample_steps, args.resolution)
         self.eval_scheduler = make_scheduler(args.eval_sample_scheduler, self.pipeline.scheduler)
-        if self.is_deepspeed_enabled:
-            plugin_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
-            configure_deepspeed(plugin_config, args, len(self.train_sigmas))
-        configure_fsdp(self.accelerator)  # FSDP2 only; gradients reduced in float32
-        backend = (
-            DeepSpeedBackward if self.is_deepspeed_enabled else FSDPBackward if self.is_fsdp_enabled else PlainBackward
-        )
-        self._backward = backend(self.accelerator)
+        self.backend = make_backend(self.accelerator)  # plain / DDP, DeepSpeed or FSDP2: the trainer asks it, never
+        self.backend.configure(args, len(self.train_sigmas))  # the launcher
         self._loss_settings = LossSettings(
             args.nft_beta, args.beta, args.adv_clip_max, args.marble_refresh_update, args.marble_masked_solve
         )
@@ -366,7 +358,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             log_update_cosines=self._update_cosines_this_step,
             adv_clip_max=args.adv_clip_max,
             solve_first=args.marble_refresh_update == "gradient"
-            and (args.marble_refresh_subset > 0 or self.is_deepspeed_enabled),
+            and (args.marble_refresh_subset > 0 or self.backend.owns_gradients),
         )
         if paper:
             self._metrics["marble/clamp_violations"].append(float(self.balancer.num_clamp_violations))
@@ -395,10 +387,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
 
     # ------------------------------------------------------------------ the NFT loss
     def _prepare_for_training(self, *args, **kwargs):
-        # FSDP2: the LoRA layers outside the blocks become units of their own just before accelerate wraps the rest
-        # (marble_trl.distributed); forwards before this point (the CLI's sample grid) run on the plain module.
-        if self.is_fsdp_enabled:
-            shard_lora_layers_outside_blocks(self.transformer, self.accelerator)
+        self.backend.before_prepare(self.transformer)  # FSDP2: the LoRA layers outside the blocks become units
         return super()._prepare_for_training(*args, **kwargs)
 
     def training_step(self, model, inputs: MicroBatch, num_items_in_batch=None) -> torch.Tensor:
@@ -422,7 +411,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             predict=self.model_adapter.predict,
             sigmas=self.train_sigmas,
             settings=self._loss_settings,
-            backend=self._backward,
+            backend=self.backend,
             engine=engine,
             noise_generator=self._generator(2, self._global_batch_index(batch.index)),
             autocast=self._autocast,
@@ -491,8 +480,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
     def shards_transformer(self) -> bool:
         """FSDP2 or DeepSpeed ZeRO-3: each forward of the transformer gathers its weights from every process, so every
         process must run it (the CLI's sample grids and the Hub samples are drawn everywhere, saved by the main one)."""
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        return self.is_fsdp_enabled or (self.is_deepspeed_enabled and getattr(plugin, "zero_stage", 0) == 3)
+        return self.backend.shards_transformer
 
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
         """The trainable LoRA parameters by name."""
