@@ -76,9 +76,7 @@ def main() -> None:
     for step in range(args.steps):
         trainer.state.global_step = step
         batches = trainer.get_batch_samples(it, trainer.args.gradient_accumulation_steps, trainer.args.device)[0]
-        for b in batches:
-            b.plan = dataclasses.replace(b.plan, mode="solve_first")
-        trainer._step_batches = batches
+        batches = [dataclasses.replace(b, plan=dataclasses.replace(b.plan, mode="solve_first")) for b in batches]
         engine = per_reward_engine(
             trainer._gradient_engine, batches[0], "auto", trainer.trainable_parameters, len(trainer.reward_funcs),
             trainer.backend, trainer.transformer,

@@ -122,7 +122,9 @@ class NonFiniteGuard(TrainerCallback):
                 {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in inner.state.items()},
             )
 
-    def on_optimizer_step(self, args, state, control, **kwargs):
+    def after_optimizer_step(self, state) -> None:
+        """The verdict on the weights the optimizer just wrote (called by the trainer's step-end hook, before the
+        step's own end: the old policy and the EMA read :attr:`skipped`)."""
         self.stepped = not self.skipped
         if not self.trainer.backend.can_skip_step or self.skipped:
             return

@@ -183,8 +183,10 @@ def test_prop1_amortised_step_equals_weighted_per_reward_gradients(name, tmp_pat
         trainer.training_step(trainer.model, mb)
     amortised = torch.cat([p.grad.reshape(-1) for p in params]).clone()
     trainer.model.zero_grad()
+    micro = trainer.start_step(
+        [dataclasses.replace(mb, plan=dataclasses.replace(mb.plan, mode="cosines")) for mb in micro]
+    )
     for mb in micro:
-        mb.plan = dataclasses.replace(mb.plan, mode="cosines")
         trainer.training_step(trainer.model, mb)
     g = trainer._gradient_engine.buffers
     assert amortised.abs().max() > 0

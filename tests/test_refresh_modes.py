@@ -43,11 +43,13 @@ def _grad_of(trainer, micro) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in trainer.trainable_parameters().values()]).clone()
 
 
-def _full_per_reward_gradients(trainer, micro) -> torch.Tensor:
-    """The K per-reward gradients of the whole step (every pair), on the same batch and noise."""
-    for mb in micro:
-        mb.plan = dataclasses.replace(mb.plan, mode="cosines")
-    _grad_of(trainer, micro)
+def _full_per_reward_gradients(trainer) -> torch.Tensor:
+    """The K per-reward gradients of the whole step (every pair), on the same batch and noise: the step's micro-batches
+    as the session holds them, planned for the cosine diagnostic."""
+    micro = [
+        dataclasses.replace(mb, plan=dataclasses.replace(mb.plan, mode="cosines")) for mb in trainer.session.batches
+    ]
+    _grad_of(trainer, trainer.start_step(micro))
     return trainer._gradient_engine.buffers.clone()
 
 
@@ -90,21 +92,27 @@ def test_estimated_refresh_is_the_solved_coefficients_on_the_whole_steps_gradien
     pairs = len(micro) * micro[0].timestep_index.shape[1]
     assert pairs == 4 > subset
     update = _grad_of(trainer, micro)
-    assert all(mb.plan.mode == "plain" for mb in micro)  # re-planned for the Prop. 1 backward
+    assert all(mb.plan.mode == "solve_first" for mb in micro)  # the Trainer's objects are never edited: the session
+    assert all(mb.plan.mode == "plain" for mb in trainer.session.batches)  # re-planned them for the Prop. 1 backward
     norms = np.array(trainer.balancer.last_grad_norms)
     alpha = np.array(trainer.balancer.last_alpha_star)
     coeffs = alpha * norms.mean() / norms
-    assert micro[0].plan.policy_scale == pytest.approx(coeffs.sum(), rel=1e-12)
-    g = _full_per_reward_gradients(trainer, micro)
+    assert trainer.session.plan.policy_scale == pytest.approx(coeffs.sum(), rel=1e-12)
+    g = _full_per_reward_gradients(trainer)
     torch.testing.assert_close(update, (torch.as_tensor(coeffs, dtype=g.dtype) @ g), rtol=1e-4, atol=1e-7)
 
     # The estimate is that of the subset's pairs: micro-batch 0's first training timestep (and micro-batch 1's).
     probe = _trainer(tmp_path / "probe", beta=0.0, num_sample_steps=4, timestep_fraction=0.5)
     mbs = _step_batches(probe, 0)[:subset]  # the same rollouts and timesteps (an exact refresh's plan, replaced)
-    for mb in mbs:
-        mb.timestep_index = mb.timestep_index[:, :1]
-        mb.plan = dataclasses.replace(mb.plan, mode="cosines")
-        mb.last = mb is mbs[-1]
+    mbs = probe.start_step(
+        [
+            dataclasses.replace(
+                mb, timestep_index=mb.timestep_index[:, :1], plan=dataclasses.replace(mb.plan, mode="cosines"),
+                last=i == subset - 1,
+            )
+            for i, mb in enumerate(mbs)
+        ]
+    )  # fmt: skip
     probe.current_gradient_accumulation_steps = subset
     _grad_of(probe, mbs)  # scale 1 / subset per pair: the solve's pairs / subset rescaling of 1 / pairs
     subset_norms = probe._gradient_engine.buffers.norm(dim=1).double().numpy()
@@ -121,7 +129,7 @@ def test_norm_aware_amortised_step_is_eq7_coefficients_on_the_batch(tmp_path):
     micro = _step_batches(trainer, 1)  # an amortised step (refresh interval 2)
     assert all(mb.plan.mode == "amortised" for mb in micro)
     update = _grad_of(trainer, micro)
-    g = _full_per_reward_gradients(trainer, micro)
+    g = _full_per_reward_gradients(trainer)
     torch.testing.assert_close(update, 2.0 * g[0] + 0.125 * g[1], rtol=1e-4, atol=1e-7)
 
 

@@ -110,8 +110,11 @@ def test_amortised_gradient_equals_alpha_weighted_per_reward_gradients(tmp_path)
     amortised = torch.cat([p.grad.reshape(-1) for p in params]).clone()
 
     model.zero_grad()
+    # same batch, same noise: now with the engine
+    micro = trainer.start_step(
+        [dataclasses.replace(mb, plan=dataclasses.replace(mb.plan, mode="cosines")) for mb in micro]
+    )
     for mb in micro:
-        mb.plan = dataclasses.replace(mb.plan, mode="cosines")  # same batch, same noise: now with the engine
         trainer.training_step(model, mb)
     g = trainer._gradient_engine.buffers
     weighted = 0.8 * g[0] + 0.2 * g[1]

@@ -158,7 +158,8 @@ class EngineStepResult:
     refresh: RefreshInfo | None = None  # a MARBLE refresh
     cosines: list[float] | None = None  # the diagnostic's cos(update, g_k), per reward
     cosine_stats: dict | None = None
-    skipped: str | None = None  # why nothing was computed (non-finite buffers, a flagged step)
+    skipped: bool = False  # nothing was computed: the step is skipped (non-finite buffers, a flagged step)
+    reason: str | None = None  # why, when this process's guard has not recorded it yet
 
 
 def finish_engine_step(
@@ -179,13 +180,13 @@ def finish_engine_step(
     backend.all_reduce(buffers, params)
     if not torch.isfinite(buffers).all():
         bad = [n for n, row in zip(reward_names, buffers) if not torch.isfinite(row).all()]
-        return EngineStepResult(skipped=f"the per-reward gradients of {bad} are not finite")
+        return EngineStepResult(skipped=True, reason=f"the per-reward gradients of {bad} are not finite")
     flag = torch.tensor([float(flagged)], device=buffers.device)
     if backend.accelerator.num_processes > 1:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     if plan_mode == "refresh":
         if flag.item():  # the step will be skipped: the coefficients must not move either
-            return EngineStepResult(skipped="" if flagged else "another process's loss is not finite")
+            return EngineStepResult(skipped=True, reason=None if flagged else "another process's loss is not finite")
         update, info = balancer.finish(buffers, has_signal)
         if refresh_update == "gradient":
             backend.apply_update(update, params)

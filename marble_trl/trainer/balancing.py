@@ -17,7 +17,8 @@ from .step import MicroBatch, StepPlan
 
 class BalancingHooks:
     """``_engine_for`` / ``_finish_engine_step`` around a micro-batch's loss, ``_solve_first`` before the step's first
-    one, ``_pairwise_step`` (a released-MARBLE micro-batch), ``_undo_refresh_if_skipped`` after the optimizer step."""
+    one, ``_pairwise_step`` (a released-MARBLE micro-batch). A refresh that moves the coefficients before the step's
+    losses are known opens the step session's transaction (:class:`~marble_trl.trainer.session.StepSession`)."""
 
     @property
     def _update_cosines_this_step(self) -> bool:
@@ -39,10 +40,10 @@ class BalancingHooks:
         """A ``"solve_first"`` refresh (at the step's first micro-batch): the per-reward gradients of the subset, the
         QP, then every micro-batch of the step re-planned for its Prop. 1 update."""
         start = time.perf_counter()
-        self._balancer_before_refresh = self.balancer.state_dict()  # a skipped step must not move alpha_bar
+        self.session.begin_refresh()  # a skipped step must not move alpha_bar
         num_train = batch.timestep_index.shape[1]
         result = solve_first_refresh(
-            self._step_batches,
+            self.session.batches,
             transformer=self.transformer,
             predict=self.model_adapter.predict,
             sigmas=self.train_sigmas,
@@ -57,6 +58,7 @@ class BalancingHooks:
             backend=self.backend,
             log_update_cosines=self._update_cosines_this_step,
         )
+        self.session.replan(result.batches)
         if result.skipped:
             self.nonfinite_guard.flag(result.skipped)
             return
@@ -77,9 +79,9 @@ class BalancingHooks:
             bool(self.nonfinite_guard.reasons),
             self.reward_names,
         )
-        if result.skipped is not None:
-            if result.skipped:  # a reason this process's guard has not recorded yet
-                self.nonfinite_guard.flag(result.skipped)
+        if result.skipped:
+            if result.reason is not None:  # a reason this process's guard has not recorded yet
+                self.nonfinite_guard.flag(result.reason)
             return  # the step is skipped: no QP, no coefficient update
         if result.refresh is not None:
             self._append_metrics(marble_metrics(result.refresh, self.reward_names, self.balancer.num_refreshes))
@@ -91,8 +93,7 @@ class BalancingHooks:
 
     def _pairwise_step(self, model, batch: MicroBatch, start: float) -> torch.Tensor:
         """A micro-batch of the released MARBLE (``marble_procedure="released"``: :mod:`.pairwise`)."""
-        if batch.index == 0:
-            self._balancer_before_refresh = self.balancer.state_dict()  # a skipped step must not move alpha_bar
+        self.session.begin_refresh()  # its pairs move alpha_bar: a skipped step must not
         num_train = batch.timestep_index.shape[1]
         scale = 1.0 / (num_train * self.current_gradient_accumulation_steps)
 
@@ -126,9 +127,3 @@ class BalancingHooks:
             self._append_metrics(row)
         self._step_timer["train"] += time.perf_counter() - start
         return result.total * scale
-
-    def _undo_refresh_if_skipped(self, skipped: bool) -> None:
-        """A solved-first refresh moved the coefficients before the step's losses: a skipped step takes that back."""
-        state, self._balancer_before_refresh = getattr(self, "_balancer_before_refresh", None), None
-        if skipped and state is not None:
-            self.balancer.load_state_dict(state)

@@ -47,6 +47,7 @@ def subset_pairs(num_micro: int, num_train: int, subset: int) -> list[int]:
 class SolveFirstResult:
     refresh: RefreshInfo | None  # None: nothing was solved (``skipped`` says why)
     pairs: int  # (micro-batch, timestep) pairs of this process in the estimate
+    batches: tuple[MicroBatch, ...]  # the step's micro-batches re-planned for phase 2 (new objects)
     skipped: str | None = None
 
 
@@ -95,16 +96,16 @@ def subset_gradients(
 def solve_first_refresh(
     batches: list[MicroBatch], *, balancer: MarbleBalancer, log_update_cosines: bool, **gradient_kwargs
 ) -> SolveFirstResult:
-    """Phase 1 (:func:`subset_gradients` with ``gradient_kwargs``) and the QP, then every micro-batch's advantages and
-    plan rewritten for phase 2, in place."""
+    """Phase 1 (:func:`subset_gradients` with ``gradient_kwargs``) and the QP, then the step's micro-batches re-planned
+    for phase 2: new objects, ``batches`` is not modified."""
     plan = batches[0].plan
     pairs = subset_gradients(batches, **gradient_kwargs)
     buffers = gradient_kwargs["engine"].buffers
     if not torch.isfinite(buffers).all():
         bad = [n for n, row in zip(balancer.reward_names, buffers) if not torch.isfinite(row).all()]
-        for batch in batches:  # the step will be skipped: no refresh, its micro-batches train as planned
-            batch.plan = dataclasses.replace(plan, mode="plain")
-        return SolveFirstResult(None, pairs, f"the per-reward gradients of {bad} are not finite")
+        plain = dataclasses.replace(plan, mode="plain")  # the step will be skipped: no refresh, trained as planned
+        replanned = tuple(dataclasses.replace(batch, plan=plain) for batch in batches)
+        return SolveFirstResult(None, pairs, replanned, f"the per-reward gradients of {bad} are not finite")
     buffers[~plan.has_signal.to(buffers.device)] = 0.0  # rewards without signal stay out of the QP
     coeffs, info = balancer.solve(buffers)
     total = float(coeffs.sum())
@@ -112,14 +113,22 @@ def solve_first_refresh(
     mode = "cosines" if log_update_cosines else "plain"
     new_plan = dataclasses.replace(plan, mode=mode, policy_scale=total)
     settings = gradient_kwargs["settings"]
+    replanned = []
     for batch in batches:
         per_reward = batch.per_reward_advantages
-        batch.reported = (batch.advantages, plan.policy_scale)
-        batch.advantages = (w.to(per_reward)[:, None] * per_reward).sum(dim=0)
-        batch.plan = new_plan
+        loss_weights = None
         if settings.masked_solve:  # sum_k c_k g_k of masked losses: per-sample weights (nft_weighted_loss)
             c = torch.as_tensor(coeffs, dtype=per_reward.dtype, device=per_reward.device)[:, None]
             r_k = advantage_to_r(per_reward, settings.adv_clip_max)
             weights = masked_weights(batch.applicable.to(per_reward.device))
-            batch.loss_weights = ((c * weights * r_k).sum(dim=0), (c * weights * (1 - r_k)).sum(dim=0))
-    return SolveFirstResult(info, pairs)
+            loss_weights = ((c * weights * r_k).sum(dim=0), (c * weights * (1 - r_k)).sum(dim=0))
+        replanned.append(
+            dataclasses.replace(
+                batch,
+                reported=(batch.advantages, plan.policy_scale),
+                advantages=(w.to(per_reward)[:, None] * per_reward).sum(dim=0),
+                plan=new_plan,
+                loss_weights=loss_weights,
+            )
+        )
+    return SolveFirstResult(info, pairs, tuple(replanned))

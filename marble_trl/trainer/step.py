@@ -204,9 +204,10 @@ def plan_step(
     return StepPlan(mode, weights.advantages, has_signal, weights.policy_scale)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch of rollouts, as ``training_step`` receives it."""
+    """One micro-batch of rollouts, as ``training_step`` receives it. Immutable: a re-planned step gets new ones
+    (``dataclasses.replace``; :class:`~marble_trl.trainer.session.StepSession`)."""
 
     x0: torch.Tensor  # [B, C, h, w] clean latents
     embeds: Conditioning

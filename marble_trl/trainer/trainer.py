@@ -77,6 +77,7 @@ from .evaluate import EvaluationHooks
 from .interruptions import SaveOnSignalCallback
 from .metrics import flush_reward_logs, reward_metrics, save_rollout_grid
 from .persistence import PersistenceHooks
+from .session import StepHooks, StepSession
 from .setup import (
     check_inputs,
     check_resolution,
@@ -105,16 +106,6 @@ from .step import (
 
 def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return features
-
-
-class _AfterOptimizerStep(TrainerCallback):
-    """Runs the old-policy soft update (and the parameter EMA) right after each optimizer step."""
-
-    def __init__(self, trainer: MarbleDiffusionNFTTrainer) -> None:
-        self.trainer = trainer
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._after_optimizer_step()
 
 
 class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHooks, BaseTrainer):
@@ -228,8 +219,9 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         self.balancer = make_balancer(self.aggregation, args, self.reward_names)  # MARBLE's, or another weighting
         self._gradient_engine = None
         self.nonfinite_guard = NonFiniteGuard(self, args.max_nonfinite_skips)
-        self.add_callback(self.nonfinite_guard)  # before _AfterOptimizerStep, which reads its verdict
-        self.add_callback(_AfterOptimizerStep(self))
+        self.add_callback(self.nonfinite_guard)
+        self.add_callback(StepHooks(self))
+        self.session: StepSession | None = None  # the optimizer step in progress (start_step)
         self._checkpoint_staging_root: str | None = None
         self.emergency_checkpoint: str | None = None  # set when train() raised and a checkpoint was written
         self.add_callback(SaveOnSignalCallback(self))
@@ -348,8 +340,6 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         self._metrics["time/reward"].append(reward_time)
 
         paper = isinstance(self.balancer, MarbleBalancer)
-        if paper and self.balancer.uniform_final_steps and self.balancer.max_steps is None:
-            self.balancer.max_steps = self.state.max_steps
         plan = plan_step(
             adv.per_reward,
             adv.combined,
@@ -362,21 +352,28 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         )
         if paper:
             self._metrics["marble/clamp_violations"].append(float(self.balancer.num_clamp_violations))
-        self._step_batches = make_micro_batches(  # a solved-first refresh re-plans them all
-            x0_all,
-            embeds,
-            plan,
-            adv.per_reward,
-            local_positions,
-            micro,
-            len(batches),
-            len(self.train_sigmas),
-            num_train_timesteps(len(self.train_sigmas), args.timestep_fraction),
-            lambda m: self._generator(1, self._global_batch_index(m)),
-            device,
-            applicable=~torch.isnan(gathered_rewards.rewards),
+        return self.start_step(
+            make_micro_batches(
+                x0_all,
+                embeds,
+                plan,
+                adv.per_reward,
+                local_positions,
+                micro,
+                len(batches),
+                len(self.train_sigmas),
+                num_train_timesteps(len(self.train_sigmas), args.timestep_fraction),
+                lambda m: self._generator(1, self._global_batch_index(m)),
+                device,
+                applicable=~torch.isnan(gathered_rewards.rewards),
+            )
         )
-        return self._step_batches
+
+    def start_step(self, batches: list[MicroBatch]) -> list[MicroBatch]:
+        """Open the optimizer step's :class:`~marble_trl.trainer.session.StepSession` on its micro-batches, and return
+        them: the Trainer hands each back to ``training_step``, which asks the session for the one to train."""
+        self.session = StepSession(batches, self.balancer)
+        return list(self.session.batches)
 
     def _encode(self, prompts: list[str]) -> tuple[Conditioning, Conditioning | None]:
         return encode_prompts_and_negative(self.model_adapter, prompts, self.args, self.accelerator.device)
@@ -396,11 +393,14 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         the cosine diagnostic."""
         start = time.perf_counter()
         model.train()
-        batch = inputs
+        if self.session is None:
+            raise RuntimeError("training_step needs the step's session: get_batch_samples (or start_step) opens it.")
+        batch = self.session.batch(inputs.index)
         if batch.plan.mode == "pairwise":
             return self._pairwise_step(model, batch, start)
         if batch.plan.mode == "solve_first":
-            self._solve_first(batch)
+            self._solve_first(batch)  # re-plans the step's micro-batches (the session swaps them in)
+            batch = self.session.batch(batch.index)
         engine = self._engine_for(batch)
         num_train = batch.timestep_index.shape[1]
         scale = 1.0 / (num_train * self.current_gradient_accumulation_steps)
@@ -440,8 +440,9 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
     def _after_optimizer_step(self) -> None:
         step = self.state.global_step  # optimizer steps completed before this one
         self._metrics["nonfinite/skipped_steps"].append(float(self.nonfinite_guard.skipped))
-        self._undo_refresh_if_skipped(self.nonfinite_guard.skipped)
-        self._step_batches = None  # the step's rollouts and conditioning: not kept into the next step's rollouts
+        if self.session is not None:
+            self.session.end(self.nonfinite_guard.skipped)  # a skipped step takes back its refresh
+            self.session = None  # the step's rollouts and conditioning: not kept into the next step's rollouts
         if self.nonfinite_guard.skipped:  # nothing moved: neither may the old policy nor the EMA
             self._metrics["time/train"].append(self._step_timer.pop("train", 0.0))
             return

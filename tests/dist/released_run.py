@@ -42,7 +42,7 @@ class Checked(MarbleDiffusionNFTTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if inputs.index == 0:
             self.step_start = {n: p.detach().clone() for n, p in self.trainable_parameters().items()}
-            grads = self.reference.step_gradient(self, self._step_batches, self.state.global_step)
+            grads = self.reference.step_gradient(self, self.session.batches, self.state.global_step)
             self.expected = {n: -LR * g.float() for n, g in zip(self.step_start, grads)}
         return super().training_step(model, inputs, num_items_in_batch)
 

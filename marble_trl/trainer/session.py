@@ -1,0 +1,95 @@
+"""One optimizer step as an object: :class:`StepSession`.
+
+The trainer opens a session from the step's rollouts (:meth:`~marble_trl.MarbleDiffusionNFTTrainer.start_step`) and
+closes it after the optimizer step. Everything the step decides lives here:
+
+- its micro-batches, a tuple that is never edited: ``training_step`` asks the session for micro-batch ``i`` (the
+  Trainer hands over the objects it was given, which serve as keys). A solved-first refresh, run at the step's first
+  micro-batch, does not rewrite them: it returns re-planned ones and the session swaps them in (:meth:`replan`);
+- the balancer's transaction: a refresh that moves MARBLE's coefficients before the step's losses are known opens it
+  (:meth:`begin_refresh`); the optimizer's verdict commits it, or rolls it back when the step is skipped (:meth:`end`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ..balance import MarbleBalancer
+from .step import MicroBatch, StepPlan
+
+
+class StepSession:
+    """The state of one optimizer step (see the module docstring)."""
+
+    def __init__(self, batches: Sequence[MicroBatch], balancer: Any | None) -> None:
+        if [b.index for b in batches] != list(range(len(batches))):
+            raise ValueError(f"A step's micro-batches are numbered 0..n-1, got {[b.index for b in batches]}.")
+        self._batches = tuple(batches)
+        self._balancer = balancer
+        self._before: dict | None = None  # the balancer's state when the transaction opened
+        self.closed = False
+
+    @property
+    def batches(self) -> tuple[MicroBatch, ...]:
+        return self._batches
+
+    @property
+    def plan(self) -> StepPlan:
+        """The plan the micro-batches are trained on now (a solved-first refresh replaces the planned one)."""
+        return self._batches[0].plan
+
+    def batch(self, index: int) -> MicroBatch:
+        """Micro-batch ``index`` as it is to be trained."""
+        self._check_open()
+        return self._batches[index]
+
+    def replan(self, batches: Sequence[MicroBatch]) -> None:
+        """Swap in re-planned micro-batches (same count and order), e.g. a solved-first refresh's phase 2."""
+        self._check_open()
+        if [b.index for b in batches] != [b.index for b in self._batches]:
+            raise ValueError("A re-planned step must keep its micro-batches and their order.")
+        self._batches = tuple(batches)
+
+    def begin_refresh(self) -> None:
+        """Open the balancer's transaction (once per step): its state now is what a skipped step returns to."""
+        self._check_open()
+        if self._before is None and self._balancer is not None:
+            self._before = self._balancer.state_dict()
+
+    @property
+    def in_refresh(self) -> bool:
+        return self._before is not None
+
+    def end(self, skipped: bool) -> None:
+        """The optimizer's verdict: a skipped step rolls the balancer back to where the transaction opened (nothing
+        moved: neither may alpha_bar), a taken one commits it. The session is then closed."""
+        self._check_open()
+        if skipped and self._before is not None:
+            self._balancer.load_state_dict(self._before)
+        self._before = None
+        self.closed = True
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("This optimizer step has ended: its session is closed.")
+
+
+class StepHooks(TrainerCallback):
+    """The trainer's hooks into transformers' loop: at the start, the balancer learns the run's length; right after
+    each optimizer step, in this order, the non-finite guard's verdict on the new weights and the step's end (the
+    session's commit or rollback, the old-policy soft update, the parameter EMA)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        balancer = self.trainer.balancer
+        if isinstance(balancer, MarbleBalancer) and balancer.uniform_final_steps:
+            balancer.max_steps = state.max_steps  # the final uniform stage counts back from the end
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.nonfinite_guard.after_optimizer_step(state)
+        self.trainer._after_optimizer_step()
