@@ -284,7 +284,7 @@ def record_best_checkpoint(trainer: Trainer, run_dir: str) -> None:
     if step != state.global_step and not os.path.isdir(path):
         return
     state.best_model_checkpoint = path
-    staging = getattr(trainer, "_checkpoint_staging_root", None)
+    staging = trainer._checkpoint_staging_root
     if args.should_save and staging:
         state.save_to_json(os.path.join(staging, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", TRAINER_STATE_FILE))
 

@@ -202,11 +202,7 @@ class EvaluationHooks:
             )
         )  # composite, hacking (marble_trl.best)
         metrics[f"{metric_key_prefix}_runtime"] = round(time.time() - start, 4)
-        self._logging_eval = True
-        try:
-            self.log(metrics)
-        finally:
-            self._logging_eval = False
+        self.log_metrics_only(metrics)  # the step's training metrics wait for the training log
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 

@@ -140,7 +140,7 @@ class PersistenceHooks:
 
     def _get_output_dir(self, trial) -> str:
         # While a checkpoint is being written, the Trainer writes under the staging folder (see _save_checkpoint).
-        return getattr(self, "_checkpoint_staging_root", None) or super()._get_output_dir(trial)
+        return self._checkpoint_staging_root or super()._get_output_dir(trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         load_training_state(self, resume_from_checkpoint)
@@ -172,5 +172,5 @@ class PersistenceHooks:
         return push_trainer(self, commit_message, blocking, token, revision, private, **kwargs)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        if getattr(self, "_checkpoint_staging_root", None) is None:  # pushed once the checkpoint is renamed
+        if self._checkpoint_staging_root is None:  # pushed once the checkpoint is renamed
             push_checkpoint(self, checkpoint_folder)

@@ -457,8 +457,16 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
 
     # ------------------------------------------------------------------ logging and saving
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Evaluation metrics are logged on their own: the step's training metrics wait for the training log.
-        if (self.model.training or "loss" in logs) and not getattr(self, "_logging_eval", False):
+        """transformers' ``log``, with the step's collected metrics (means since the last log) added to a training
+        log."""
+        self._log(logs, start_time, with_training_metrics=self.model.training or "loss" in logs)
+
+    def log_metrics_only(self, logs: dict[str, float]) -> None:
+        """Log ``logs`` (evaluation metrics) without the step's training metrics, which wait for the training log."""
+        self._log(logs, None, with_training_metrics=False)
+
+    def _log(self, logs: dict[str, float], start_time: float | None, *, with_training_metrics: bool) -> None:
+        if with_training_metrics:
             for key, values in self._metrics.items():
                 finite = [v for v in values if not math.isnan(v)]
                 logs[key] = sum(finite) / len(finite) if finite else float("nan")
