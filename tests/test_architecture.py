@@ -134,3 +134,61 @@ def test_no_module_over_500_lines():
     sizes = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in _modules().items()}
     big = {name: n for name, n in sizes.items() if n > MAX_LINES and name != CONFIG_MODULE}
     assert not big, f"modules over {MAX_LINES} lines (split them by what they hold): {big}"
+
+
+# CONTRIBUTING.md's map says where things live: it must stay right ----------------------------------------------------
+
+ROOT = PACKAGE.parent
+
+
+def _map_section() -> str:
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    return text[text.index("## The map") : text.index("## Conventions")]
+
+
+def _defines(path: Path, name: str) -> bool:
+    source = path.read_text(encoding="utf-8")
+    return any(
+        isinstance(node, ast.ClassDef | ast.FunctionDef) and node.name == name
+        or isinstance(node, ast.Assign | ast.AnnAssign)
+        and name in {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                     if isinstance(t, ast.Name)}
+        for node in ast.walk(ast.parse(source))
+    )  # fmt: skip
+
+
+def test_the_contributing_map_names_modules_and_classes_that_exist():
+    section = _map_section()
+    import re
+
+    def find(path: str) -> Path | None:
+        for base in (ROOT, PACKAGE, PACKAGE / "trainer"):
+            if (base / path).exists():
+                return base / path
+        return None
+
+    checked = 0
+    # every path: `balance/registry.py`, `rewards/`, "(trainer.py)" in the step diagram
+    paths = {p for p in re.findall(r"`([\w./]+(?:\.py|/))`", section)}
+    paths |= set(re.findall(r"\(([\w/]+\.py)[:)]", section))
+    for path in sorted(paths):
+        assert find(path) is not None, f"CONTRIBUTING.md names {path}, which does not exist"
+        checked += 1
+    # every "name (module.py)" of the step diagram is defined in that module
+    for name, path in re.findall(r"^\s+(?:-> |\()?(\w+) \(([\w/]+\.py)\)", section, re.M):
+        assert _defines(find(path), name), f"CONTRIBUTING.md: {name} is not defined in {path}"
+        checked += 1
+    # every dotted `module.Name` imports; every CamelCase `Name` is defined somewhere in the package
+    import importlib
+
+    for dotted in re.findall(r"`((?:[a-z_]+\.)+[A-Za-z_]+)`", section):
+        if dotted.endswith(".py"):
+            continue
+        module, _, attr = dotted.removeprefix("marble_trl.").rpartition(".")
+        assert hasattr(importlib.import_module(f"marble_trl.{module}"), attr), f"CONTRIBUTING.md: {dotted}"
+        checked += 1
+    files = list(PACKAGE.rglob("*.py"))
+    for name in set(re.findall(r"`([A-Z][A-Za-z]+|[A-Z_]{4,})`", section)):
+        assert any(_defines(f, name) for f in files), f"CONTRIBUTING.md names {name}, defined nowhere in the package"
+        checked += 1
+    assert checked > 40
