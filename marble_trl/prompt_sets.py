@@ -4,12 +4,13 @@ use.
 
 Each set is one file of a public GitHub repository at a pinned commit (flow_grpo, MIT; DiffusionNFT, Apache-2.0). Five
 are shipped xz-compressed in ``marble_trl/prompt_data`` (3.7 MB of prompts in 0.7 MB, with the licences): they are
-unpacked into the cache on first use, checked like a download, with no network. The others are downloaded from ``raw.githubusercontent.com`` at that commit, checked against the digests recorded below (SHA-256 and
-size where known, and always git's object id of the file at that commit), and kept in a cache:
+unpacked into the cache on first use, checked like a download, with no network. The others (``ocr``, ``geneval``) are
+downloaded from ``raw.githubusercontent.com`` at that commit. Every file is checked against the digests recorded below
+(SHA-256 and size where known, and always git's object id of the file at that commit) and kept in a cache:
 ``$MARBLE_TRL_CACHE/datasets/<name>/<digest>/<file>``, where ``MARBLE_TRL_CACHE`` defaults to
 ``$HF_HOME/marble_trl`` (``~/.cache/huggingface/marble_trl``). A file that fails the check is never kept. With
-``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` / ``MARBLE_TRL_OFFLINE`` set, only the cache is read, and a missing file
-is an error that names the set, its URL, its digest and how to place it by hand (``marble-trl datasets download NAME
+``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` / ``MARBLE_TRL_OFFLINE`` set, only the cache and the shipped copies are
+read, and a set in neither is an error that names the set, its URL, its digest and how to place it by hand (``marble-trl datasets download NAME
 --from FILE``). docs/data.md lists the sets with their provenance.
 
 Two files of flow_grpo (``ocr``, ``geneval``: the train splits, 4 MiB or more) could not be read when this registry was
@@ -293,7 +294,12 @@ def local_file(name: str) -> Path:
             logger.warning("%s Removing it from the cache.", err)
             target.unlink(missing_ok=True)
     if shipped_path(entry) is not None:
-        return unpack(name)
+        try:
+            return unpack(name)
+        except PromptSetError as err:  # a damaged installation: the pinned URL has the same file
+            if offline():
+                raise
+            logger.warning("%s Downloading it instead.", err)
     variable = offline()
     if variable:
         raise PromptSetError(
@@ -340,8 +346,11 @@ def unpack(name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, part = tempfile.mkstemp(dir=target.parent, prefix=f".{entry.filename}.", suffix=".part")
     try:
-        with os.fdopen(fd, "wb") as out, lzma.open(source, "rb") as src:
-            shutil.copyfileobj(src, out)
+        try:
+            with os.fdopen(fd, "wb") as out, lzma.open(source, "rb") as src:
+                shutil.copyfileobj(src, out)
+        except (lzma.LZMAError, EOFError) as err:
+            raise PromptSetError(f"Prompt set {name!r}: the package's copy {source} is damaged ({err}).") from err
         verify(entry, Path(part))
         os.replace(part, target)
     finally:

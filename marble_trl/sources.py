@@ -2,7 +2,7 @@
 
 A source is a prompt file (``.txt`` one prompt per line, ``.json`` / ``.jsonl`` / ``.csv`` / ``.parquet``), the
 bundled tiny prompt file (``"bundled"``), the ShapesBench world (``"shapes"``, ...), a paper's prompt set by name
-(``"pickscore"``, ``"ocr_test"``, ...: downloaded once and verified, :mod:`marble_trl.prompt_sets`), or a Hub
+(``"pickscore"``, ``"ocr_test"``, ...: shipped or downloaded once, verified, :mod:`marble_trl.prompt_sets`), or a Hub
 dataset id (loaded with ``datasets.load_dataset``). Every column other than the prompt reaches the reward functions
 (GenEval metadata, the text to render, ...). A named mixture (``"marble_5rewards"``) is a list of sources:
 :func:`named_mixture`.

@@ -166,6 +166,20 @@ def test_a_damaged_shipped_copy_is_refused_and_nothing_is_cached(monkeypatch, tm
     with pytest.raises(ps.PromptSetError, match="expected SHA-256 " + entry.sha256):
         ps.local_file("drawbench")
     assert _cache_files(tmp_path / "cache") == []
+    (shipped / ps.shipped_path(entry).name).write_bytes(b"not xz at all")  # a truncated or overwritten file
+    with pytest.raises(ps.PromptSetError, match="is damaged"):
+        ps.local_file("drawbench")
+    assert _cache_files(tmp_path / "cache") == []
+
+
+def test_a_damaged_shipped_copy_is_downloaded_instead_when_online(server, tmp_path, monkeypatch):
+    entry = ps.PROMPT_SETS["drawbench"]  # the server's synthetic digests: its shipped name must exist for this test
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / f"drawbench-{entry.sha256[:16]}.txt.xz").write_bytes(b"damaged")
+    monkeypatch.setattr(ps, "SHIPPED", shipped)
+    path = ps.local_file("drawbench")
+    assert ps.verify(entry, path) == entry.sha256 and server.requests == ["/drawbench/test.txt"]
 
 
 # Download, verification, offline use ---------------------------------------------------------------------------------

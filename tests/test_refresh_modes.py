@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from tiny import brightness, contrast, small_args
+from transformers import TrainerCallback
 
 from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.data import load_prompt_dataset
@@ -147,6 +148,54 @@ def test_a_skipped_step_takes_back_its_solved_first_refresh(tmp_path):
     trainer.train()
     assert trainer.nonfinite_guard.total == 1
     assert trainer.balancer.state_dict() == before  # no refresh counted, alpha_bar and norms unchanged
+
+
+def test_a_step_skipped_after_its_exact_refresh_takes_it_back(tmp_path):
+    """The exact refresh runs at the step's last micro-batch; the guard can still skip the step afterwards (non-finite
+    gradients or update): the coefficients go back too."""
+
+    class FlagAfterRefresh(MarbleDiffusionNFTTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if inputs.last:
+                assert self.balancer.num_refreshes == 1  # the refresh ran (exact, at this micro-batch)
+                self.nonfinite_guard.flag("test: the step's gradients are not finite")
+            return loss
+
+    args = small_args(tmp_path, max_steps=1, param_ema=False)
+    trainer = FlagAfterRefresh("tiny", REWARDS, args=args, train_dataset=load_prompt_dataset())
+    before = trainer.balancer.state_dict()
+    trainer.train()
+    assert trainer.nonfinite_guard.total == 1
+    assert trainer.balancer.state_dict() == before
+
+
+def test_an_emergency_checkpoint_holds_the_coefficients_of_the_last_completed_step(tmp_path):
+    """A step fails after its solved-first refresh moved alpha_bar: the emergency checkpoint is the last completed
+    step's, so its balancer state is that step's, not the half-done refresh's."""
+    import json
+
+    class FailSecondStep(MarbleDiffusionNFTTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self.state.global_step == 1 and inputs.last:
+                raise RuntimeError("test: step 2 fails after its refresh")
+            return loss
+
+    after_first = {}
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            after_first.setdefault("state", trainer.balancer.state_dict())
+
+    args = small_args(tmp_path, max_steps=3, param_ema=False, marble_refresh_subset=1, marble_refresh_interval=1,
+                      save_strategy="no")  # fmt: skip
+    trainer = FailSecondStep("tiny", REWARDS, args=args, train_dataset=load_prompt_dataset(), callbacks=[Snapshot()])
+    with pytest.raises(RuntimeError, match="step 2 fails"):
+        trainer.train()
+    assert trainer.balancer.num_refreshes == 1  # the failed step's refresh was taken back
+    saved = json.loads((tmp_path / "checkpoint-1" / "marble_balancer.json").read_text())
+    assert saved == after_first["state"]
 
 
 def test_non_finite_subset_gradients_skip_the_step_and_refresh_nothing(tmp_path, monkeypatch):

@@ -61,6 +61,20 @@ def test_the_optimizers_verdict_commits_or_rolls_back_the_refresh(skipped):
         session.batch(0)
 
 
+def test_training_step_input_must_be_this_steps():
+    batches = _batches(2)
+    session = StepSession(batches, None)
+    replanned = [dataclasses.replace(b, plan=dataclasses.replace(b.plan, mode="plain")) for b in batches]
+    session.replan(replanned)
+    assert session.batch_for(batches[1]) is replanned[1]  # what the Trainer hands back: the planned object
+    assert session.batch_for(replanned[0]) is replanned[0]
+    edited = dataclasses.replace(batches[0], last=True)
+    with pytest.raises(ValueError, match="start_step"):
+        session.batch_for(edited)
+    with pytest.raises(ValueError, match="start_step"):
+        session.batch_for(_batches(3)[2])
+
+
 def test_a_step_without_a_refresh_leaves_the_balancer_alone():
     balancer = MarbleBalancer(reward_names=["a", "b"])
     session = StepSession(_batches(1), balancer)

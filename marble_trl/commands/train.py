@@ -37,7 +37,7 @@ class MarbleScriptArguments:
         metadata={
             "help": "Prompts: 'bundled' (the packaged prompt file), 'shapes' / 'shapes_eval' / 'shapes_<family>' (the "
             "ShapesBench world, with its metadata columns), a paper's prompt set ('pickscore', 'ocr', 'geneval', their "
-            "'_test' splits, 'drawbench': downloaded once, verified and cached; `marble-trl datasets list`), the named "
+            "'_test' splits, 'drawbench': shipped or downloaded once, verified and cached; `marble-trl datasets list`), the named "
             "mixture 'marble_5rewards' (pickscore, ocr and geneval in equal shares per step), a .txt file (one prompt "
             "per line), a .json/.jsonl/.csv/.parquet file or a Hub dataset id with a 'prompt' column."
         },

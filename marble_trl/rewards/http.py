@@ -403,7 +403,7 @@ class HTTPReward:
         return scores
 
 
-# `geneval` (a GenEval server with `url`, else in-process) is registered by the geneval package.
+# `geneval` (a GenEval server with `url`, else in-process) is marble_trl.rewards.geneval.geneval.
 
 
 def unifiedreward(url: str, name: str = "unifiedreward", **options: Any) -> HTTPReward:

@@ -1,6 +1,6 @@
 """The trainer: :class:`MarbleDiffusionNFTTrainer` (``trainer.py``, the transformers/TRL hooks) over its stages:
-``step.py`` (rewards -> advantages -> a typed step plan -> micro-batches) and ``backward.py`` (one micro-batch's
-timestep loop, one strategy per back-end)."""
+``step.py`` (rewards -> advantages -> a typed step plan -> micro-batches), ``session.py`` (one optimizer step's state),
+``backward.py`` (one micro-batch's timestep loop) and ``backends.py`` (plain / DDP, DeepSpeed, FSDP2)."""
 
 from .trainer import MarbleDiffusionNFTTrainer
 

@@ -92,6 +92,8 @@ class Backend(Protocol):
         weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, NFTTerms, torch.Tensor]: ...
 
+    def ordinary(self, model, forward: Callable, scale: float, last: bool): ...
+
     def average_buffers(self, buffers: torch.Tensor) -> None: ...
 
     def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None: ...
@@ -184,11 +186,14 @@ class PlainBackward:
             buffers.div_(world)
 
     def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-        """Average the per-reward buffers and the update's ``.grad`` over the processes (DDP was bypassed)."""
+        """Average the per-reward buffers over the processes, and the update's ``.grad`` unless the back-end has
+        reduced it itself (here DDP was bypassed: by hand)."""
         world = self.accelerator.num_processes
         if world == 1:
             return
         self.average_buffers(buffers)
+        if self.reduces_update_gradient:
+            return
         for p in params:
             if p.grad is not None:
                 torch.distributed.all_reduce(p.grad)
@@ -221,6 +226,7 @@ class DeepSpeedBackward(PlainBackward):
         return getattr(plugin, "zero_stage", 0) == 3
 
     def configure(self, args, num_sigmas: int) -> None:
+        super().configure(args, num_sigmas)
         configure_deepspeed(self.accelerator.state.deepspeed_plugin.deepspeed_config, args, num_sigmas)
 
     def per_reward_r(self, r_k: torch.Tensor, r: torch.Tensor, mode: str) -> torch.Tensor:
@@ -235,9 +241,6 @@ class DeepSpeedBackward(PlainBackward):
                 engine.accumulate(terms_k.loss_pos, terms_k.loss_neg, r_k, scale=weight, weights=weights)
             del terms_k
         return self.ordinary(model, forward, scale, last)
-
-    def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-        self.average_buffers(buffers)  # DeepSpeed has reduced (and applied) the update's gradient itself
 
     def update_and_rows(self, buffers, params):
         return buffers[-1].float(), buffers[:-1]  # the update's gradient without the KL term: the engine's last row
@@ -261,9 +264,6 @@ class FSDPBackward(PlainBackward):
         # The LoRA layers outside the blocks become units of their own just before accelerate wraps the rest
         # (marble_trl.distributed); forwards before this point (the CLI's sample grid) run on the plain module.
         shard_lora_layers_outside_blocks(transformer, self.accelerator)
-
-    def all_reduce(self, buffers: torch.Tensor, params: list[torch.nn.Parameter]) -> None:
-        self.average_buffers(buffers)  # FSDP has reduce-scattered the update's .grad itself
 
     def update_and_rows(self, buffers, params):
         # Every process gathers the whole gradient (the cosines are computed alike everywhere).

@@ -69,6 +69,8 @@ class BalancingHooks:
     def _finish_engine_step(self, engine, plan: StepPlan) -> None:
         """After the step's last micro-batch: MARBLE's QP and Eq. 7, or the baseline cosines; logs them."""
         start = time.perf_counter()
+        if plan.mode == "refresh":
+            self.session.begin_refresh()  # the guard may still skip the step (its gradients, its update)
         result = finish_engine_step(
             engine,
             plan.mode,

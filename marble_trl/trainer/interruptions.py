@@ -166,6 +166,10 @@ def save_emergency_checkpoint(trainer: Trainer, error: BaseException) -> str | N
             reason,
         )
         return None
+    session = getattr(trainer, "session", None)
+    if session is not None and not session.closed:  # the failed step's refresh moved alpha_bar: not a completed step's
+        session.end(skipped=True)
+        trainer.session = None
     try:
         trainer._save_checkpoint(trainer.model, trial=None)
     except Exception as save_error:  # the original error matters more: report both, raise the original

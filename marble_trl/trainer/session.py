@@ -28,6 +28,7 @@ class StepSession:
         if [b.index for b in batches] != list(range(len(batches))):
             raise ValueError(f"A step's micro-batches are numbered 0..n-1, got {[b.index for b in batches]}.")
         self._batches = tuple(batches)
+        self._planned = self._batches  # as the Trainer got them (it hands these back)
         self._balancer = balancer
         self._before: dict | None = None  # the balancer's state when the transaction opened
         self.closed = False
@@ -44,6 +45,18 @@ class StepSession:
     def batch(self, index: int) -> MicroBatch:
         """Micro-batch ``index`` as it is to be trained."""
         self._check_open()
+        return self._batches[index]
+
+    def batch_for(self, inputs: MicroBatch) -> MicroBatch:
+        """The micro-batch to train for what the Trainer handed over: one of this step's (as planned or re-planned);
+        anything else (another step's, or an edited copy) is refused."""
+        self._check_open()
+        index = inputs.index
+        if not 0 <= index < len(self._batches) or inputs not in (self._planned[index], self._batches[index]):
+            raise ValueError(
+                f"training_step got micro-batch {index}, which is not this step's: open a step on the micro-batches to "
+                "train with start_step(batches)."
+            )
         return self._batches[index]
 
     def replan(self, batches: Sequence[MicroBatch]) -> None:

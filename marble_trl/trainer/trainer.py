@@ -395,7 +395,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         model.train()
         if self.session is None:
             raise RuntimeError("training_step needs the step's session: get_batch_samples (or start_step) opens it.")
-        batch = self.session.batch(inputs.index)
+        batch = self.session.batch_for(inputs)
         if batch.plan.mode == "pairwise":
             return self._pairwise_step(model, batch, start)
         if batch.plan.mode == "solve_first":
