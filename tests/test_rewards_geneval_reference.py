@@ -188,7 +188,7 @@ def _ours(bboxes, colours, metadata) -> tuple[float, float, float]:
 def test_the_rules_equal_genevals_and_the_reward_servers_code(tag):
     rng = np.random.default_rng(TAGS.index(tag))
     seen = {"correct": set(), "strict": set(), "score": set()}
-    for _ in range(200):
+    for _ in range(300):
         metadata = _metadata(rng, tag)
         metadata["prompt"] = "a synthetic prompt"
         bboxes, colours = _detections(rng, tag)
