@@ -14,8 +14,8 @@ from marble_trl.trainer.step import MicroBatch, StepPlan
 
 def _batches(n: int) -> list[MicroBatch]:
     plan = StepPlan("solve_first", torch.zeros(2), torch.tensor([True, True]))
-    return [
-        MicroBatch(torch.zeros(1, 1, 1, 1), None, torch.zeros(1), torch.zeros(2, 1), torch.zeros(1, 1, dtype=torch.long),
+    return [  # tensors of several elements, as in a run (their == is elementwise)
+        MicroBatch(torch.zeros(2, 1, 2, 2), None, torch.zeros(2), torch.zeros(2, 2), torch.zeros(2, 1, dtype=torch.long),
                    index=i, last=i == n - 1, plan=plan)
         for i in range(n)
     ]  # fmt: skip
@@ -73,6 +73,8 @@ def test_training_step_input_must_be_this_steps():
         session.batch_for(edited)
     with pytest.raises(ValueError, match="start_step"):
         session.batch_for(_batches(3)[2])
+    with pytest.raises(ValueError, match="start_step"):  # another step's micro-batch 0: other tensors, same index
+        session.batch_for(_batches(2)[0])
 
 
 def test_a_step_without_a_refresh_leaves_the_balancer_alone():

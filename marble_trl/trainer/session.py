@@ -52,7 +52,8 @@ class StepSession:
         anything else (another step's, or an edited copy) is refused."""
         self._check_open()
         index = inputs.index
-        if not 0 <= index < len(self._batches) or inputs not in (self._planned[index], self._batches[index]):
+        known = 0 <= index < len(self._batches) and (inputs is self._planned[index] or inputs is self._batches[index])
+        if not known:
             raise ValueError(
                 f"training_step got micro-batch {index}, which is not this step's: open a step on the micro-batches to "
                 "train with start_step(batches)."

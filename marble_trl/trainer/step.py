@@ -204,7 +204,7 @@ def plan_step(
     return StepPlan(mode, weights.advantages, has_signal, weights.policy_scale)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity: fields are tensors
 class MicroBatch:
     """One micro-batch of rollouts, as ``training_step`` receives it. Immutable: a re-planned step gets new ones
     (``dataclasses.replace``; :class:`~marble_trl.trainer.session.StepSession`)."""
