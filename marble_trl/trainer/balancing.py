@@ -17,8 +17,8 @@ from .step import MicroBatch, StepPlan
 
 class BalancingHooks:
     """``_engine_for`` / ``_finish_engine_step`` around a micro-batch's loss, ``_solve_first`` before the step's first
-    one, ``_pairwise_step`` (a released-MARBLE micro-batch). A refresh that moves the coefficients before the step's
-    losses are known opens the step session's transaction (:class:`~marble_trl.trainer.session.StepSession`)."""
+    one, ``_pairwise_step`` (a released-MARBLE micro-batch). Every refresh opens the step session's transaction
+    (:class:`~marble_trl.trainer.session.StepSession`): a skipped step takes it back."""
 
     @property
     def _update_cosines_this_step(self) -> bool:

@@ -6,8 +6,9 @@ closes it after the optimizer step. Everything the step decides lives here:
 - its micro-batches, a tuple that is never edited: ``training_step`` asks the session for micro-batch ``i`` (the
   Trainer hands over the objects it was given, which serve as keys). A solved-first refresh, run at the step's first
   micro-batch, does not rewrite them: it returns re-planned ones and the session swaps them in (:meth:`replan`);
-- the balancer's transaction: a refresh that moves MARBLE's coefficients before the step's losses are known opens it
-  (:meth:`begin_refresh`); the optimizer's verdict commits it, or rolls it back when the step is skipped (:meth:`end`).
+- the balancer's transaction: a refresh opens it (:meth:`begin_refresh`: solved first, a released pair, or the exact
+  one at the step's end, after which the non-finite guard can still skip the step); the optimizer's verdict commits
+  it, or rolls it back when the step is skipped (:meth:`end`). An emergency checkpoint rolls back an open one.
 """
 
 from __future__ import annotations
@@ -72,10 +73,6 @@ class StepSession:
         self._check_open()
         if self._before is None and self._balancer is not None:
             self._before = self._balancer.state_dict()
-
-    @property
-    def in_refresh(self) -> bool:
-        return self._before is not None
 
     def end(self, skipped: bool) -> None:
         """The optimizer's verdict: a skipped step rolls the balancer back to where the transaction opened (nothing

@@ -209,8 +209,9 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
         self.rollout_scheduler = make_scheduler(args.sample_scheduler, self.pipeline.scheduler)
         self.train_sigmas = self.model_adapter.training_grid(args.num_sample_steps, args.resolution)
         self.eval_scheduler = make_scheduler(args.eval_sample_scheduler, self.pipeline.scheduler)
-        self.backend = make_backend(self.accelerator)  # plain / DDP, DeepSpeed or FSDP2: the trainer asks it, never
-        self.backend.configure(args, len(self.train_sigmas))  # the launcher
+        # plain / DDP, DeepSpeed or FSDP2: the trainer asks its back-end's capabilities, never the launcher
+        self.backend = make_backend(self.accelerator)
+        self.backend.configure(args, len(self.train_sigmas))
         self._loss_settings = LossSettings(
             args.nft_beta, args.beta, args.adv_clip_max, args.marble_refresh_update, args.marble_masked_solve
         )
