@@ -35,8 +35,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 logger = logging.getLogger(__name__)
 
@@ -342,16 +344,22 @@ def unpack(name: str) -> Path:
     source = shipped_path(entry)
     if source is None:
         raise PromptSetError(f"Prompt set {name!r} is not shipped in the package; download it instead.")
+    try:
+        return _copy_into_cache(entry, lambda: lzma.open(source, "rb"))
+    except (lzma.LZMAError, EOFError) as err:
+        raise PromptSetError(f"Prompt set {name!r}: the package's copy {source} is damaged ({err}).") from err
+
+
+def _copy_into_cache(entry: PromptSet, open_source: Callable[[], BinaryIO]) -> Path:
+    """Copy what ``open_source()`` reads into the cache: a temporary file in the cache folder, renamed into place only
+    after it matches the recorded digests (a partial or wrong copy is never kept)."""
     target = cached_path(entry)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, part = tempfile.mkstemp(dir=target.parent, prefix=f".{entry.filename}.", suffix=".part")
     try:
-        try:
-            with os.fdopen(fd, "wb") as out, lzma.open(source, "rb") as src:
-                shutil.copyfileobj(src, out)
-        except (lzma.LZMAError, EOFError) as err:
-            raise PromptSetError(f"Prompt set {name!r}: the package's copy {source} is damaged ({err}).") from err
-        verify(entry, Path(part))
+        with os.fdopen(fd, "wb") as out, open_source() as src:
+            shutil.copyfileobj(src, out)
+        verify(entry, Path(part))  # what was copied, not only what was read
         os.replace(part, target)
     finally:
         Path(part).unlink(missing_ok=True)
@@ -380,17 +388,7 @@ def install(name: str, file: str | Path) -> Path:
     if not source.is_file():
         raise PromptSetError(f"Prompt set {name!r}: {str(source)!r} is not a file.")
     verify(entry, source)
-    target = cached_path(entry)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, part = tempfile.mkstemp(dir=target.parent, prefix=f".{entry.filename}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out, open(source, "rb") as src:
-            shutil.copyfileobj(src, out)
-        verify(entry, Path(part))  # what was copied, not only what was read
-        os.replace(part, target)
-    finally:
-        Path(part).unlink(missing_ok=True)
-    return target
+    return _copy_into_cache(entry, lambda: open(source, "rb"))
 
 
 def describe(entry: PromptSet) -> dict:

@@ -4,6 +4,8 @@ module over 500 lines. Read from the source with ast, so a function-local import
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "marble_trl"
@@ -159,7 +161,6 @@ def _defines(path: Path, name: str) -> bool:
 
 def test_the_contributing_map_names_modules_and_classes_that_exist():
     section = _map_section()
-    import re
 
     def find(path: str) -> Path | None:
         for base in (ROOT, PACKAGE, PACKAGE / "trainer"):
@@ -179,8 +180,6 @@ def test_the_contributing_map_names_modules_and_classes_that_exist():
         assert _defines(find(path), name), f"CONTRIBUTING.md: {name} is not defined in {path}"
         checked += 1
     # every dotted `module.Name` imports; every CamelCase `Name` is defined somewhere in the package
-    import importlib
-
     for dotted in re.findall(r"`((?:[a-z_]+\.)+[A-Za-z_]+)`", section):
         if dotted.endswith(".py"):
             continue
