@@ -1,5 +1,5 @@
 """Cost of the adapter switches of one training timestep (old policy, then the KL reference, and back): diffusers'
-model-level ``set_adapter`` / ``enable_adapters`` (which walk every module) against ``marble_trl.lora``'s cached
+model-level ``set_adapter`` / ``enable_adapters`` (which walk every module) against ``marble_trl.policy.lora``'s cached
 switch, side by side in one process, on the shipped ``shapes`` transformer with the ShapesBench LoRA.
 
     python benchmarks/adapter_switch.py [--rounds 5] [--calls 50]
@@ -16,8 +16,8 @@ import time
 import torch
 from peft import LoraConfig
 
-from marble_trl import lora
 from marble_trl.models import load_sd3_pipeline
+from marble_trl.policy import lora
 from marble_trl.shapesbench.bench import LORA_TARGETS
 
 

@@ -26,12 +26,12 @@ from peft import LoraConfig
 try:
     from marble_trl.balance.engines import make_gradient_engine
     from marble_trl.models import predict_velocity
-    from marble_trl.nft import nft_loss_terms
+    from marble_trl.policy.nft import nft_loss_terms
 except ModuleNotFoundError:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from marble_trl.balance.engines import make_gradient_engine
     from marble_trl.models import predict_velocity
-    from marble_trl.nft import nft_loss_terms
+    from marble_trl.policy.nft import nft_loss_terms
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}

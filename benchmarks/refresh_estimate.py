@@ -32,7 +32,7 @@ REWARDS = ["brightness", "contrast", "saturation", "jpeg_compressibility"]
 
 def build(args: argparse.Namespace):
     from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
-    from marble_trl.data import load_prompt_dataset
+    from marble_trl.data.prompts import load_prompt_dataset
 
     if args.world == "shapesbench":
         from marble_trl.shapesbench.bench import Budget, _config

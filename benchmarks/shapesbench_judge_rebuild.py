@@ -36,7 +36,7 @@ def rescore(out: Path, cache: Path) -> dict[str, dict[str, list[float]]]:
     """``{run: {reward: [shipped, rebuilt]}}`` for every record with saved images, plus ``base`` (from weighted_sum)."""
     import torch
 
-    from marble_trl.scores import mean_sem
+    from marble_trl.evaluation.scores import mean_sem
     from marble_trl.shapesbench.bench import eval_inputs
     from marble_trl.shapesbench.scorers import score_all
 

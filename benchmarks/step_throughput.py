@@ -57,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
-    from marble_trl.data import load_prompt_dataset
+    from marble_trl.data.prompts import load_prompt_dataset
     from marble_trl.models import build_tiny_sd3_pipeline
     from marble_trl.shapesbench.methods import StepTimer
 

@@ -32,7 +32,7 @@ OLD_POLICY_FILE = "old_policy_lora.safetensors"
 EMA_FILE = "param_ema.safetensors"
 BALANCER_FILE = "marble_balancer.json"
 MANIFEST_FILE = "marble_checkpoint.json"
-MANIFEST_FORMAT = "marble_trl.checkpoint"
+MANIFEST_FORMAT = "marble_trl.persistence.checkpoint"
 MANIFEST_VERSION = 1
 STAGING_PREFIX = "tmp-"  # "tmp-checkpoint-N" does not match the Trainer's "checkpoint-*" glob nor its regex
 

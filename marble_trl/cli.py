@@ -3,17 +3,17 @@
 - ``marble-trl train --config recipes/tiny-cpu.yaml [--field value ...]``: YAML plus command-line overrides, parsed by
   TRL's ``TrlParser`` (so an ``env:`` block in the YAML sets environment variables, as with ``trl``);
 - ``marble-trl export --checkpoint DIR --output DIR [--ema] [--format diffusers|peft]``: a run folder (a checkpoint or
-  the final ``output_dir``) as a publishable LoRA folder with a model card (:mod:`marble_trl.export`), optionally
+  the final ``output_dir``) as a publishable LoRA folder with a model card (:mod:`marble_trl.publish.export`), optionally
   pushed to the Hub;
 - ``marble-trl generate --model tiny|PATH --lora DIR --prompts ... --output DIR``: images from a base model plus a
   LoRA, loaded with diffusers' ``load_lora_weights``;
 - ``marble-trl evaluate --model tiny|PATH [--lora DIR ...] --prompts SOURCE --reward_funcs ... --output DIR``: scores
-  the base model and each LoRA / checkpoint on a prompt set (:mod:`marble_trl.evaluation`);
+  the base model and each LoRA / checkpoint on a prompt set (:mod:`marble_trl.evaluation.run`);
 - ``marble-trl check --config RECIPE [--num_processes N] [--gpu_memory 80GB]``: the preflight (docs/check.md);
 - ``marble-trl serve-reward --reward NAME [--reward_kwargs JSON] [--port 18085]``: one reward served over HTTP for
-  ``http_reward`` clients (:mod:`marble_trl.serve`);
+  ``http_reward`` clients (:mod:`marble_trl.rewards.serve`);
 - ``marble-trl datasets list`` / ``marble-trl datasets download [NAME ...] [--from FILE]``: the papers' named prompt
-  sets (:mod:`marble_trl.prompt_sets`): provenance, licence, digests, cache status; fetching them ahead of a run.
+  sets (:mod:`marble_trl.data.prompt_sets`): provenance, licence, digests, cache status; fetching them ahead of a run.
 
 Each command lives in :mod:`marble_trl.commands` and is imported only when run (``marble-trl --help`` loads no model
 code); ``MarbleScriptArguments`` and ``train`` are re-exported here for scripts.
@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ns, rest = top.parse_known_args(argv[:1])
     if ns.command == "train":
+        from .commands.launch import launch_train, split_launch_args
         from .commands.train import train_parser
-        from .launch import launch_train, split_launch_args
 
         launch, train_argv = split_launch_args(argv[1:])
         if launch:  # --accelerate_config / --num_processes: re-run under `accelerate launch`

@@ -8,15 +8,15 @@ import logging
 import math
 import os
 
-from .advantages import SCALE_REWARDS
+from .balance.advantages import SCALE_REWARDS
 from .balance.marble import AMORTISED_MODES, SILENT_MODES
 from .balance.registry import ADVANTAGE_AGGREGATIONS
 from .balance.registry import AGGREGATIONS as _ENTRIES
-from .nft import DECAY_TYPES
-from .resume import APPLIED_FIELDS, EXACT_FIELDS
+from .data.sources import normalise_ratios
+from .persistence.resume import APPLIED_FIELDS, EXACT_FIELDS
+from .policy.nft import DECAY_TYPES
 from .rewards.video import check_frames
-from .rollout import check_solver_name
-from .sources import normalise_ratios
+from .rollout.solvers import check_solver_name
 
 logger = logging.getLogger("marble_trl.nft_config")  # the config's warnings, under the config's logger name
 

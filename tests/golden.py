@@ -19,8 +19,8 @@ from datasets import Dataset
 from tiny import brightness, contrast, redness
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
-from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
 from marble_trl.models import DEFAULT_LORA_TARGETS
+from marble_trl.policy.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
 
 HERE = Path(__file__).parent
 RECORD = HERE / "data" / "golden_runs.json"

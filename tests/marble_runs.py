@@ -15,7 +15,7 @@ from datasets import Dataset
 from tiny import brightness, contrast, redness, small_args  # noqa: F401  (re-exported for the tests)
 
 from marble_trl import MarbleDiffusionNFTTrainer
-from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
+from marble_trl.policy.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
 
 PROMPTS = ["a red apple", "a blue car", "a green frog", "a white cat"]  # 2 prompts per step: 2 steps per epoch
 STEPS = 6

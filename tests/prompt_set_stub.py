@@ -1,9 +1,9 @@
-"""Synthetic stand-ins for the named prompt sets (marble_trl.prompt_sets), so that tests resolve ``pickscore``,
+"""Synthetic stand-ins for the named prompt sets (marble_trl.data.prompt_sets), so that tests resolve ``pickscore``,
 ``ocr``, ``geneval``, ... through the real code (cache, verification, loading, mixing) offline.
 
 :func:`synthetic_files` writes small files in each set's format; :func:`patch_registry` points every registry entry at
 them (their SHA-256, size and git object id, and optionally a URL); :func:`install_synthetic` does both and installs
-the files into a cache folder (``MARBLE_TRL_CACHE``) with the real :func:`marble_trl.prompt_sets.install`.
+the files into a cache folder (``MARBLE_TRL_CACHE``) with the real :func:`marble_trl.data.prompt_sets.install`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from marble_trl import prompt_sets
+from marble_trl.data import prompt_sets
 
 # Rows of each set: plain prompts, quoted text (OCR applies), GenEval metadata (a position given as [str, int]).
 TEXT = {

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from scipy.optimize import minimize
 
-from marble_trl.lora import use_old_policy, use_reference
+from marble_trl.policy.lora import use_old_policy, use_reference
 
 A_MAX = 5.0
 EPS = 1e-12

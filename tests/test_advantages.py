@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from marble_trl.advantages import STD_EPS, collate_advantages, group_std_is_zero, normalize_rewards
+from marble_trl.balance.advantages import STD_EPS, collate_advantages, group_std_is_zero, normalize_rewards
 
 NAN = float("nan")
 

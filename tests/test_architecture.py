@@ -162,19 +162,21 @@ def _defines(path: Path, name: str) -> bool:
 def test_the_contributing_map_names_modules_and_classes_that_exist():
     section = _map_section()
 
-    def find(path: str) -> Path | None:
-        for base in (ROOT, PACKAGE, PACKAGE / "trainer"):
+    def find(path: str, packages: tuple[str, ...] = ()) -> Path | None:
+        for base in (ROOT, PACKAGE, PACKAGE / "trainer", *(PACKAGE / p for p in packages)):
             if (base / path).exists():
                 return base / path
         return None
 
     checked = 0
-    # every path: `balance/registry.py`, `rewards/`, "(trainer.py)" in the step diagram
-    paths = {p for p in re.findall(r"`([\w./]+(?:\.py|/))`", section)}
-    paths |= set(re.findall(r"\(([\w/]+\.py)[:)]", section))
-    for path in sorted(paths):
-        assert find(path) is not None, f"CONTRIBUTING.md names {path}, which does not exist"
-        checked += 1
+    # every path: `balance/registry.py`, `rewards/`, "(trainer.py)" in the step diagram; a bullet naming packages
+    # (`data/`: `prompts.py`, ...) names modules inside them
+    for bullet in re.split(r"\n(?=- |\S)", section):
+        packages = tuple(re.findall(r"`([\w/]+/)`", bullet))
+        paths = set(re.findall(r"`([\w./]+(?:\.py|/))`", bullet)) | set(re.findall(r"\(([\w/]+\.py)[:)]", bullet))
+        for path in sorted(paths):
+            assert find(path, packages) is not None, f"CONTRIBUTING.md names {path}, which does not exist"
+            checked += 1
     # every "name (module.py)" of the step diagram is defined in that module
     for name, path in re.findall(r"^\s+(?:-> |\()?(\w+) \(([\w/]+\.py)\)", section, re.M):
         assert _defines(find(path), name), f"CONTRIBUTING.md: {name} is not defined in {path}"

@@ -20,7 +20,7 @@ from marble_trl.balance import (
     update_cosines,
 )
 from marble_trl.balance import qp as qp_module
-from marble_trl.nft import advantage_to_r
+from marble_trl.policy.nft import advantage_to_r
 
 U64 = 2.0**-53  # unit roundoff of float64 (eps / 2)
 U32 = 2.0**-24

@@ -1,4 +1,4 @@
-"""Best-checkpoint selection and the reward-hacking guard (marble_trl.best): load_best_model_at_end restores the LoRA of
+"""Best-checkpoint selection and the reward-hacking guard (marble_trl.persistence.best): load_best_model_at_end restores the LoRA of
 the best evaluation, EarlyStoppingCallback stops on this trainer's evaluation metrics, the hacking signal is logged and
 stops training with hacking_patience; eval_composite's definition."""
 
@@ -16,8 +16,8 @@ from transformers import EarlyStoppingCallback
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
 from marble_trl.artifacts import LORA_FILE, lora_key
-from marble_trl.best import composite
-from marble_trl.lora import TRAIN_ADAPTER, lora_parameters
+from marble_trl.persistence.best import composite
+from marble_trl.policy.lora import TRAIN_ADAPTER, lora_parameters
 
 TRAIN = Dataset.from_dict({"prompt": ["a red apple", "a blue car", "a green frog", "a white cat"]})
 EVAL = Dataset.from_dict({"prompt": ["a boat", "a tree"]})

@@ -20,8 +20,8 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from marble_trl.artifacts import BALANCER_FILE, EMA_FILE, LORA_FILE, MANIFEST_FILE, OLD_POLICY_FILE
-from marble_trl.checkpoint import read_manifest
-from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
+from marble_trl.persistence.checkpoint import read_manifest
+from marble_trl.policy.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
 from marble_trl.trainer.checkpointing import load_training_state
 
 pytestmark = [
@@ -131,7 +131,7 @@ _KILL_SCRIPT = """
 import sys, time
 sys.path.insert(0, {tests!r})
 from marble_runs import make_trainer
-import marble_trl.checkpoint as files
+import marble_trl.persistence.checkpoint as files
 import marble_trl.trainer.checkpointing as ck
 
 out, marker = sys.argv[1], sys.argv[2]
@@ -245,7 +245,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
 
 def test_replacing_an_existing_checkpoint_folder(tmp_path):
     """A stale checkpoint-N (an earlier run in the same output_dir) is replaced by the complete new one."""
-    from marble_trl.checkpoint import replace_dir
+    from marble_trl.persistence.checkpoint import replace_dir
 
     stale, new = tmp_path / "checkpoint-2", tmp_path / "tmp-checkpoint-2" / "checkpoint-2"
     stale.mkdir()
@@ -368,7 +368,7 @@ def test_two_process_failure_on_one_rank_stops_every_rank_with_an_emergency_chec
     """2 processes, a reward raising on rank 1 only in step 4: both ranks stop there together (rank 0 with
     PeerFailure instead of waiting in the reward gather until the launcher kills it) and write the emergency
     checkpoint of step 3, a complete one (the resume from such a checkpoint: the SIGTERM test above)."""
-    from marble_trl.resume import validate_checkpoint
+    from marble_trl.persistence.resume import validate_checkpoint
 
     worker = TESTS / "dist" / "resume_run.py"
     _torchrun(worker, str(tmp_path), "fail")

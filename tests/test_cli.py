@@ -71,7 +71,7 @@ def test_train_help_lists_the_wrapper_flags(capsys):
 def test_export_from_the_final_output_dir(recipe_run, tmp_path, capsys):
     """The quickstart's output folder (no checkpoint) exports; the base model is recorded as `tiny` with its seed, so
     the sample images render without --model."""
-    from marble_trl.export import generate_images
+    from marble_trl.publish.export import generate_images
 
     recorded = json.loads((recipe_run / "marble_trl.json").read_text())
     assert recorded["base_model"] == "tiny" and recorded["tiny_seed"] == 0  # the CLI passes a pipeline object
@@ -101,7 +101,7 @@ def test_export_from_the_final_output_dir(recipe_run, tmp_path, capsys):
 
 
 def test_export_failure_leaves_no_partial_folder(recipe_run, tmp_path, monkeypatch):
-    import marble_trl.export as export
+    import marble_trl.publish.export as export
 
     def broken(*args, **kwargs):
         raise RuntimeError("rendering failed")
@@ -172,7 +172,7 @@ def test_cli_overrides_yaml_and_rejects_unknown(tmp_path, capsys):
 
 def test_saved_lora_loads_in_plain_diffusers(tmp_path):
     from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
-    from marble_trl.data import load_prompt_dataset
+    from marble_trl.data.prompts import load_prompt_dataset
 
     args = MarbleDiffusionNFTConfig(
         output_dir=str(tmp_path),
@@ -203,7 +203,7 @@ def test_saved_lora_loads_in_plain_diffusers(tmp_path):
     fresh = build_tiny_sd3_pipeline(seed=0)
     fresh.load_lora_weights(str(tmp_path / "lora"))
     fresh.set_progress_bar_config(disable=True)
-    from marble_trl.rollout import make_scheduler
+    from marble_trl.rollout.solvers import make_scheduler
 
     fresh.scheduler = make_scheduler("euler", fresh.scheduler)
     theirs = fresh(

@@ -15,7 +15,7 @@ from transformers import TrainerCallback
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
 from marble_trl.cli import main
-from marble_trl.console import order_logs, reward_summary_lines
+from marble_trl.trainer.console import order_logs, reward_summary_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny-random.yaml"
@@ -118,7 +118,7 @@ def test_marble_trl_train_prints_one_summary_line_per_reward(tmp_path, capsys):
 
 
 def test_compact_line_shows_step_loss_rewards_alpha_bar_rate_and_eta():
-    from marble_trl.console import compact_line
+    from marble_trl.trainer.console import compact_line
 
     logs = {
         "loss": 58.271, "reward": 1.1, "rewards/pickscore/mean": 0.41483, "rewards/ocr/mean": 0.6146,

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 from datasets import Dataset
 
-from marble_trl.data import GroupSampler, bundled_prompts_path, check_prompt_dataset, load_prompt_dataset
+from marble_trl.data.prompts import GroupSampler, bundled_prompts_path, check_prompt_dataset, load_prompt_dataset
 
 # ---------------------------------------------------------------- GroupSampler
 
@@ -231,7 +231,7 @@ def test_mixed_sampler_rejects_bad_input(sources, ratios, match):
         GroupSampler(2, 2, 2, sources=sources, ratios=ratios)
 
 
-# ---------------------------------------------------------------- prompt sources (marble_trl.sources)
+# ---------------------------------------------------------------- prompt sources (marble_trl.data.sources)
 
 
 def write_sources(tmp_path):
@@ -245,7 +245,7 @@ def write_sources(tmp_path):
 
 
 def test_load_prompt_sources_mixes_columns_and_labels_sources(tmp_path):
-    from marble_trl.sources import load_prompt_sources, mixture_ratios
+    from marble_trl.data.sources import load_prompt_sources, mixture_ratios
 
     write_sources(tmp_path)
     specs = [
@@ -264,7 +264,7 @@ def test_load_prompt_sources_mixes_columns_and_labels_sources(tmp_path):
 
 
 def test_prompt_source_strings_parquet_and_ratios(tmp_path):
-    from marble_trl.sources import PromptSource, load_prompt_sources, mixture_ratios
+    from marble_trl.data.sources import PromptSource, load_prompt_sources, mixture_ratios
 
     Dataset.from_dict({"prompt": ["p1", "p2", "p3"], "n": [1, 2, 3]}).to_parquet(str(tmp_path / "set.parquet"))
     (tmp_path / "b.txt").write_text("q1\n", encoding="utf-8")
@@ -280,7 +280,7 @@ def test_prompt_source_strings_parquet_and_ratios(tmp_path):
 
 
 def test_missing_source_file_names_the_source_and_path(tmp_path):
-    from marble_trl.sources import load_prompt_sources
+    from marble_trl.data.sources import load_prompt_sources
 
     with pytest.raises(FileNotFoundError, match=r"'ocr'.*nope\.jsonl"):
         load_prompt_sources({"path": str(tmp_path / "nope.jsonl"), "name": "ocr"})
@@ -291,7 +291,7 @@ def test_missing_source_file_names_the_source_and_path(tmp_path):
 
 
 def test_source_without_prompt_column_says_how_to_fix(tmp_path):
-    from marble_trl.sources import load_prompt_sources
+    from marble_trl.data.sources import load_prompt_sources
 
     write_sources(tmp_path)
     with pytest.raises(ValueError) as info:
@@ -305,7 +305,7 @@ def test_source_without_prompt_column_says_how_to_fix(tmp_path):
     [([0, 0], "positive"), ([1, None], "every source"), ([-1, 2], ">= 0"), (["x", 1], "number")],
 )
 def test_bad_ratios_are_rejected(tmp_path, ratios, match):
-    from marble_trl.sources import load_prompt_sources
+    from marble_trl.data.sources import load_prompt_sources
 
     write_sources(tmp_path)
     specs = [
@@ -317,7 +317,7 @@ def test_bad_ratios_are_rejected(tmp_path, ratios, match):
 
 
 def test_bad_source_specs(tmp_path):
-    from marble_trl.sources import load_prompt_sources
+    from marble_trl.data.sources import load_prompt_sources
 
     write_sources(tmp_path)
     with pytest.raises(ValueError, match="distinct 'name'"):
@@ -336,7 +336,7 @@ def test_bad_source_specs(tmp_path):
 
 def test_script_arguments_take_a_mixture(tmp_path):
     from marble_trl.cli import MarbleScriptArguments
-    from marble_trl.sources import PromptSource
+    from marble_trl.data.sources import PromptSource
 
     write_sources(tmp_path)
     script = MarbleScriptArguments(dataset_mixture=[f"{tmp_path / 'plain.txt'}=1", {"path": "bundled", "ratio": 2}])
@@ -364,7 +364,7 @@ def tiny_args(output_dir, **overrides):
 
 def test_trainer_mixture_columns_reach_rewards_groups_stay_in_one_source(tmp_path):
     from marble_trl import MarbleDiffusionNFTTrainer
-    from marble_trl.sources import load_prompt_sources
+    from marble_trl.data.sources import load_prompt_sources
 
     write_sources(tmp_path)
     specs = [

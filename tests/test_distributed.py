@@ -163,7 +163,7 @@ def test_fsdp_config_on_one_process_says_it_does_not_shard(tmp_path, monkeypatch
     from tiny import brightness, tiny_args
 
     from marble_trl import MarbleDiffusionNFTTrainer
-    from marble_trl.data import load_prompt_dataset
+    from marble_trl.data.prompts import load_prompt_dataset
 
     args = tiny_args(tmp_path / "plain")
     with caplog.at_level("WARNING", logger="marble_trl.distributed"):

@@ -19,7 +19,7 @@ from marble_trl.balance.engines import (
     unflatten,
 )
 from marble_trl.models import predict_velocity
-from marble_trl.nft import nft_loss_terms
+from marble_trl.policy.nft import nft_loss_terms
 
 ENGINES = ["reference", "two_stream"]
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]

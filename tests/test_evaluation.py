@@ -16,10 +16,10 @@ from tiny import brightness, redness
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
 from marble_trl.cli import main
-from marble_trl.evaluation import generate_eval_images, sample_seed, summarize_scores
-from marble_trl.lora import TRAIN_ADAPTER, lora_parameters
-from marble_trl.rollout import make_scheduler
-from marble_trl.samples import GAP, LABEL_WIDTH, MIN_CELL, PAD, caption_font, line_height
+from marble_trl.evaluation.run import generate_eval_images, sample_seed, summarize_scores
+from marble_trl.evaluation.samples import GAP, LABEL_WIDTH, MIN_CELL, PAD, caption_font, line_height
+from marble_trl.policy.lora import TRAIN_ADAPTER, lora_parameters
+from marble_trl.rollout.solvers import make_scheduler
 
 TRAIN = Dataset.from_dict({"prompt": ["a red apple", "a blue car", "a green frog", "a white cat"]})
 EVAL = Dataset.from_dict({"prompt": ["a boat on a lake", "a tree", "a red apple"], "source": ["a", "b", "b"]})
@@ -230,7 +230,7 @@ def test_evaluate_command_scores_base_and_lora_and_resumes(tmp_path, lora_dir, m
     scores = out / "run-a" / "scores.jsonl"
     kept = scores.read_text().splitlines()
     scores.write_text("\n".join(kept[:-1]) + "\n")
-    import marble_trl.evaluation as evaluation
+    import marble_trl.evaluation.run as evaluation
 
     calls = []
     real = evaluation.generate_eval_images
@@ -288,7 +288,7 @@ def test_evaluate_command_matches_trainer_evaluation(tmp_path):
     trainer = MarbleDiffusionNFTTrainer(
         "tiny", "brightness", args=args, train_dataset=TRAIN, eval_dataset=EVAL.select([0, 1])
     )
-    from marble_trl.lora import use_reference
+    from marble_trl.policy.lora import use_reference
 
     with use_reference(trainer.transformer):  # the base model, as `marble-trl evaluate` without --lora
         metrics = trainer.evaluate()

@@ -16,11 +16,11 @@ from tiny import brightness, contrast, tiny_args
 from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.balance import make_gradient_engine
 from marble_trl.cli import main
-from marble_trl.data import load_prompt_dataset
-from marble_trl.export import generate_images
+from marble_trl.data.prompts import load_prompt_dataset
 from marble_trl.models import FAMILIES, adapter_for, family_of, load_model
-from marble_trl.nft import add_noise, nft_loss_terms
-from marble_trl.rollout import make_scheduler, training_sigmas
+from marble_trl.policy.nft import add_noise, nft_loss_terms
+from marble_trl.publish.export import generate_images
+from marble_trl.rollout.solvers import make_scheduler, training_sigmas
 
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")
 

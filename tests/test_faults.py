@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from transformers import TrainerCallback
 
 from marble_trl.artifacts import EMA_FILE, LORA_FILE, OLD_POLICY_FILE
-from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
-from marble_trl.output_dir import LOCK_FILE, OutputDirLock, OutputDirLockedError
-from marble_trl.resume import CorruptCheckpointError, resolve_resume, validate_checkpoint
+from marble_trl.persistence.output_dir import LOCK_FILE, OutputDirLock, OutputDirLockedError
+from marble_trl.persistence.resume import CorruptCheckpointError, resolve_resume, validate_checkpoint
+from marble_trl.policy.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters
 
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")
 
@@ -288,7 +288,7 @@ def test_resume_allow_changes_rejects_unknown_fields(tmp_path):
 # ------------------------------------------------------------------------------------------ one run per output_dir
 _HOLD_LOCK = """
 import sys, time
-from marble_trl.output_dir import OutputDirLock
+from marble_trl.persistence.output_dir import OutputDirLock
 lock = OutputDirLock(sys.argv[1]); lock.acquire(); print("locked", flush=True); time.sleep(float(sys.argv[2]))
 """
 
@@ -323,7 +323,7 @@ def test_a_lock_whose_heartbeat_outlived_its_lease_is_taken_over(tmp_path, caplo
     lock.write_text(json.dumps({"pid": 1, "host": "dead-node", "started": "x", "lease_s": 60}))
     old = time.time() - 120
     os.utime(lock, (old, old))
-    with caplog.at_level("WARNING", logger="marble_trl.output_dir"):
+    with caplog.at_level("WARNING", logger="marble_trl.persistence.output_dir"):
         with OutputDirLock(tmp_path):
             assert json.loads(lock.read_text())["pid"] == os.getpid()
     assert "heartbeat is 120 s old (lease 60 s)" in caplog.text
@@ -396,7 +396,7 @@ def test_a_user_lora_config_with_zero_alpha_is_refused(tmp_path):
 
 def test_a_diverging_loss_is_warned_about(tmp_path, caplog):
     trainer = make_trainer(tmp_path / "run", max_steps=4, learning_rate=1e4, max_nonfinite_skips=4)
-    with caplog.at_level("WARNING", logger="marble_trl.guards"):
+    with caplog.at_level("WARNING", logger="marble_trl.trainer.guards"):
         try:
             trainer.train()
         except FloatingPointError:
@@ -442,7 +442,7 @@ def test_a_nan_loss_refreshes_no_marble_coefficients(tmp_path, monkeypatch):
 def test_finite_garbage_in_a_checkpoint_fails_its_sha256_and_resume_true_falls_back(reference_run, tmp_path):
     """A LoRA whose bytes changed but still read as finite weights (it resumed silently before): the manifest's
     SHA-256 of every file names it, resume=True takes the previous checkpoint, and export refuses it."""
-    from marble_trl.export import export_checkpoint
+    from marble_trl.publish.export import export_checkpoint
 
     out = tmp_path / "run"
     _copy_checkpoints(reference_run, out)

@@ -24,9 +24,9 @@ from tiny import brightness, tiny_args
 from transformers import HfArgumentParser
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
-from marble_trl.data import check_prompt_dataset
+from marble_trl.data.prompts import check_prompt_dataset
+from marble_trl.data.sources import PromptSource, load_prompt_sources, load_source
 from marble_trl.rewards import RewardError, score_rewards
-from marble_trl.sources import PromptSource, load_prompt_sources, load_source
 
 PROMPTS = ["a cat", "a dog", "a bird"]
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -341,7 +341,7 @@ def test_unreadable_file_names_the_file_and_format(tmp_path) -> None:
 
 @pytest.mark.parametrize("suffix", ["txt", "jsonl", "json", "csv"])
 def test_a_prompt_file_that_is_not_utf8_is_named_with_its_line_and_byte(tmp_path, suffix):
-    from marble_trl.sources import load_source
+    from marble_trl.data.sources import load_source
 
     body = {
         "txt": b"a red apple\nun caf\xe9 au lait\n",
@@ -382,7 +382,7 @@ def test_a_column_changing_type_between_rows_is_warned_about_naming_the_file_and
     path.write_text(
         '{"prompt": "a cat", "count": 2, "include": null}\n{"prompt": "a dog", "count": "two", "include": [1]}\n'
     )
-    with caplog.at_level("WARNING", logger="marble_trl.sources"):
+    with caplog.at_level("WARNING", logger="marble_trl.data.sources"):
         dataset = load_source(str(path))
     assert dataset["count"] == [2, "two"]
     assert "mixed.jsonl: column 'count' holds values of several types: int (first at row 0), str (first at row 1)" in (

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from marble_trl import launch
 from marble_trl.cli import main
+from marble_trl.commands import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTI_GPU = str(ROOT / "recipes" / "accelerate" / "multi_gpu.yaml")

@@ -412,7 +412,7 @@ def test_gradient_checkpointing_reaches_the_diffusers_transformer(tmp_path):
     """`gradient_checkpointing: true` -> the Trainer's `activation_checkpointing_enable` -> diffusers' own switch
     (the same call path with every launcher: it runs before the model is wrapped)."""
     from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
-    from marble_trl.data import load_prompt_dataset
+    from marble_trl.data.prompts import load_prompt_dataset
 
     args = MarbleDiffusionNFTConfig(
         output_dir=str(tmp_path),

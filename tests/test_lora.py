@@ -9,7 +9,8 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from marble_trl.lora import (
+from marble_trl.models import DEFAULT_LORA_TARGETS
+from marble_trl.policy.lora import (
     OLD_ADAPTER,
     TRAIN_ADAPTER,
     LoraEMA,
@@ -19,7 +20,6 @@ from marble_trl.lora import (
     use_old_policy,
     use_reference,
 )
-from marble_trl.models import DEFAULT_LORA_TARGETS
 
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")
 

@@ -20,7 +20,7 @@ from datasets import Dataset
 from tiny import brightness, contrast, tiny_args
 
 from marble_trl import MarbleDiffusionNFTTrainer
-from marble_trl.data import load_prompt_dataset
+from marble_trl.data.prompts import load_prompt_dataset
 from marble_trl.models import FAMILIES, load_model
 from marble_trl.models.prompt_cache import PromptEmbeddingCache, dataset_prompts, encoders_visiting, text_encoders
 

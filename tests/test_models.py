@@ -117,7 +117,7 @@ def test_saved_tiny_folder_loads_with_plain_diffusers(tmp_path, tiny_pipeline):
 
 def test_tiny_pipeline_records_its_name_and_seed(tmp_path, tiny_pipeline):
     """What a run records as its base model, when the CLI passes the built pipeline object to the trainer."""
-    from marble_trl.checkpoint import base_model_name
+    from marble_trl.persistence.checkpoint import base_model_name
 
     pipe = build_tiny_sd3_pipeline(seed=3)
     assert pipe.name_or_path == "tiny" and tiny_seed_of(pipe) == 3 and tiny_seed_of(tiny_pipeline) == 0

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from marble_trl.nft import (
+from marble_trl.policy.nft import (
     DECAY_TYPES,
     add_noise,
     advantage_to_r,

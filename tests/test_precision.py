@@ -19,9 +19,9 @@ from transformers import TrainerCallback
 
 import marble_trl.trainer.trainer as nft_trainer
 from marble_trl import MarbleDiffusionNFTTrainer
-from marble_trl.data import load_prompt_dataset
-from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER, LoraEMA, OldPolicy, add_policy_adapters, lora_parameters
+from marble_trl.data.prompts import load_prompt_dataset
 from marble_trl.models import load_sd3_pipeline, predict_velocity
+from marble_trl.policy.lora import OLD_ADAPTER, TRAIN_ADAPTER, LoraEMA, OldPolicy, add_policy_adapters, lora_parameters
 
 EPS32 = torch.finfo(torch.float32).eps
 

@@ -1,4 +1,4 @@
-"""The named prompt sets (marble_trl.prompt_sets): the pinned registry, download into the cache (from a local HTTP
+"""The named prompt sets (marble_trl.data.prompt_sets): the pinned registry, download into the cache (from a local HTTP
 server, with the registry's URLs and digests pointed at synthetic files), verification, offline use, the mixture
 ``marble_5rewards`` (equal shares per step, source tags, GenEval columns) and ``marble-trl datasets``."""
 
@@ -15,17 +15,17 @@ from pathlib import Path
 import pytest
 from prompt_set_stub import GENEVAL, TEXT, install_synthetic, patch_registry, synthetic_files
 
-from marble_trl import prompt_sets as ps
 from marble_trl.cli import main
-from marble_trl.data import GroupSampler
-from marble_trl.rewards.ocr import quoted_text
-from marble_trl.sources import (
+from marble_trl.data import prompt_sets as ps
+from marble_trl.data.prompts import GroupSampler
+from marble_trl.data.sources import (
     SHAPES_SOURCES,
     load_prompt_sources,
     load_source,
     mixture_ratios,
     named_mixture,
 )
+from marble_trl.rewards.ocr import quoted_text
 from marble_trl.trainer.setup import source_indices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +131,7 @@ def test_every_set_whose_file_was_read_is_shipped_with_its_licence():
     assert "Apache License" in (ps.SHIPPED / "LICENSE.DiffusionNFT").read_text()
     # the wheel carries them: pyproject's package data names the folder's files
     package_data = (ROOT / "pyproject.toml").read_text()
-    for pattern in ('"prompt_data/*.xz"', '"prompt_data/LICENSE.*"', '"prompt_data/README.md"'):
+    for pattern in ('"data/prompt_data/*.xz"', '"data/prompt_data/LICENSE.*"', '"data/prompt_data/README.md"'):
         assert pattern in package_data
 
 
@@ -429,7 +429,7 @@ def test_datasets_download_offline_and_from_a_file(server, tmp_path, monkeypatch
 
 def test_evaluate_expands_the_test_mixture(cached_sets, monkeypatch):
     """`marble-trl evaluate --prompts marble_5rewards_test drawbench`: the mixture's sources and the set, labelled."""
-    import marble_trl.evaluation as evaluation
+    import marble_trl.evaluation.run as evaluation
 
     class Loaded(Exception):
         pass

@@ -21,11 +21,11 @@ from marble_runs import SAMPLE_PROMPTS, make_trainer, restored_trainer
 from PIL import Image
 
 from marble_trl.cli import main
-from marble_trl.export import generate_images
-from marble_trl.hub import CARD_TAGS, card_info_from_checkpoint, render_model_card
 from marble_trl.models import build_tiny_sd3_pipeline
+from marble_trl.publish.export import generate_images
+from marble_trl.publish.hub import CARD_TAGS, card_info_from_checkpoint, render_model_card
 from marble_trl.rewards.images import from_pil
-from marble_trl.rollout import make_scheduler
+from marble_trl.rollout.solvers import make_scheduler
 
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")
 ROOT = Path(__file__).resolve().parents[1]

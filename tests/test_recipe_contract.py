@@ -22,11 +22,11 @@ import yaml
 from prompt_set_stub import install_synthetic
 
 from marble_trl.cli import main
+from marble_trl.data.prompt_sets import MIXTURES
+from marble_trl.data.sources import default_source_name, is_builtin
 from marble_trl.models import family_of
-from marble_trl.prompt_sets import MIXTURES
 from marble_trl.rewards import registry
 from marble_trl.rewards.ocr import quoted_text
-from marble_trl.sources import default_source_name, is_builtin
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))

@@ -12,7 +12,7 @@ from tiny import brightness, contrast, small_args
 from transformers import TrainerCallback
 
 from marble_trl import MarbleDiffusionNFTTrainer
-from marble_trl.data import load_prompt_dataset
+from marble_trl.data.prompts import load_prompt_dataset
 from marble_trl.trainer.solve_first import subset_pairs
 
 REWARDS = [brightness, contrast]

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from marble_trl import MarbleDiffusionNFTConfig
-from marble_trl.advantages import normalize_rewards
 from marble_trl.balance import ReleasedMarble
-from marble_trl.nft import masked_weights
+from marble_trl.balance.advantages import normalize_rewards
+from marble_trl.policy.nft import masked_weights
 
 NAMES = ["pickscore", "ocr", "geneval"]
 

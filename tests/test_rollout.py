@@ -6,9 +6,9 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from marble_trl.dpm_solver import FlowMatchDPMSolver2Scheduler
 from marble_trl.models import encode_prompts, predict_velocity, sample_latents
-from marble_trl.rollout import make_scheduler, training_sigmas
+from marble_trl.rollout.dpm_solver import FlowMatchDPMSolver2Scheduler
+from marble_trl.rollout.solvers import make_scheduler, training_sigmas
 
 SD35_SCHEDULER = FlowMatchEulerDiscreteScheduler(shift=3.0)  # SD3.5's scheduler config
 
@@ -121,7 +121,7 @@ def test_dpm2_state_resets_between_rollouts(tiny_pipeline):
 
 def test_dpm2_matches_a_hand_written_multistep_solve(tiny_pipeline):
     """The pipeline's sampling loop with the scheduler equals the update written out from the formulas of
-    marble_trl.dpm_solver's docstring, on the real tiny transformer."""
+    marble_trl.rollout.dpm_solver's docstring, on the real tiny transformer."""
     torch.manual_seed(0)
     embeds = encode_prompts(tiny_pipeline, ["a green triangle"], 8, torch.device("cpu"))
     steps = 6

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from marble_trl.samples import (
+from marble_trl.evaluation.samples import (
     GAP,
     LABEL_WIDTH,
     MIN_CELL,
@@ -105,7 +105,7 @@ def test_before_after_sheet_captions_each_image_and_gives_the_mean_scores(tmp_pa
 
 
 def test_before_after_sheet_records_what_it_drew(tmp_path, monkeypatch):
-    from marble_trl import samples
+    from marble_trl.evaluation import samples
 
     seen = {}
     real = samples.stack_sheets
@@ -163,14 +163,14 @@ def test_score_images_scores_every_image_and_survives_a_failing_reward(caplog):
     def broken(prompts, images, **_):
         raise RuntimeError("no model")
 
-    with caplog.at_level(logging.WARNING, logger="marble_trl.samples"):
+    with caplog.at_level(logging.WARNING, logger="marble_trl.evaluation.samples"):
         assert score_images([broken], ["broken"], ["a", "b"], images) is None
     assert "without scores" in caplog.text
 
 
 def test_reward_chart_is_written_or_skipped_with_a_note(tmp_path, monkeypatch, caplog):
     pytest.importorskip("matplotlib")
-    from marble_trl.evaluation import save_reward_chart
+    from marble_trl.evaluation.run import save_reward_chart
 
     results = [
         {"model": "base", "r/mean": 0.2, "r/sem": 0.05, "s/mean": -1.0, "s/sem": 0.1},
@@ -180,7 +180,7 @@ def test_reward_chart_is_written_or_skipped_with_a_note(tmp_path, monkeypatch, c
     chart = Image.open(path)
     assert chart.width > chart.height > 100 and np.asarray(chart.convert("L")).min() < 64
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    with caplog.at_level(logging.WARNING, logger="marble_trl.evaluation"):
+    with caplog.at_level(logging.WARNING, logger="marble_trl.evaluation.run"):
         assert save_reward_chart(results, ["r"], tmp_path / "none.png") is None
     assert "matplotlib is not installed" in caplog.text and not (tmp_path / "none.png").exists()
 

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from marble_trl.scores import composite_zscores, markdown_table, mean_sem, write_csv
+from marble_trl.evaluation.scores import composite_zscores, markdown_table, mean_sem, write_csv
 
 
 def test_mean_sem_hand_computed():

@@ -1,4 +1,4 @@
-"""``marble-trl serve-reward`` (marble_trl/serve.py) against the real client (marble_trl/rewards/http.py) and raw
+"""``marble-trl serve-reward`` (marble_trl/rewards/serve.py) against the real client (marble_trl/rewards/http.py) and raw
 sockets: the protocol round trip, the token, every limit, malformed requests, slow clients, concurrency, warm-up, a
 bounded load and the shutdown. Everything on 127.0.0.1, ephemeral ports."""
 
@@ -29,11 +29,10 @@ import pytest
 import torch
 from PIL import Image
 
-from marble_trl import serve
 from marble_trl.commands.serve_reward import serve_reward_command, serve_reward_parser
-from marble_trl.rewards import get_reward, score_rewards
+from marble_trl.rewards import get_reward, score_rewards, serve
 from marble_trl.rewards.http import HTTPReward, HTTPRewardError, encode_images
-from marble_trl.serve import RewardServer, ServeLimits, bind_warning
+from marble_trl.rewards.serve import RewardServer, ServeLimits, bind_warning
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -414,7 +413,7 @@ def test_binds_loopback_unless_asked_and_warns_without_a_token(monkeypatch, capl
             with pytest.raises(ConnectionRefusedError):
                 socket.create_connection((ip, server.server_address[1]), timeout=2).close()
     monkeypatch.setattr(serve, "is_loopback", lambda host: False)  # as if the host were public, without binding one
-    with caplog.at_level(logging.WARNING, logger="marble_trl.serve"):
+    with caplog.at_level(logging.WARNING, logger="marble_trl.rewards.serve"):
         RewardServer(get_reward("brightness")).server_close()
         RewardServer(get_reward("brightness"), token="t").server_close()
     warnings = [r.getMessage() for r in caplog.records if "without a token" in r.getMessage()]
@@ -574,7 +573,7 @@ def test_the_command_serves_until_sigterm(monkeypatch):
     try:
         code = serve_reward_command(["--reward", "brightness", "--port", "0", "--quiet", "--shutdown_grace", "2"])
     finally:
-        logging.getLogger("marble_trl.serve").setLevel(logging.NOTSET)
+        logging.getLogger("marble_trl.rewards.serve").setLevel(logging.NOTSET)
     driver.join(5)
     assert code == 0 and outcome == {"handled": True, "intercepted": True, "no token": 401, "token": 200}
     assert signal.getsignal(signal.SIGTERM) == before
@@ -609,7 +608,7 @@ def test_command_line_errors(capsys):
 
 
 def test_the_server_never_unpickles():
-    tree = ast.parse((ROOT / "marble_trl" / "serve.py").read_text(encoding="utf-8"))
+    tree = ast.parse((ROOT / "marble_trl" / "rewards" / "serve.py").read_text(encoding="utf-8"))
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not imported & {"pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib"}

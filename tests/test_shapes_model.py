@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from marble_trl.data.sources import SHAPES_SOURCES
 from marble_trl.models import load_sd3_pipeline, shapes_model_path
 from marble_trl.shapesbench import scorers, shipped, world
 from marble_trl.shapesbench.pretrain import PretrainConfig
-from marble_trl.sources import SHAPES_SOURCES
 
 # Held-out specialist means of the shipped base model with the protocol of `_draw` (docs/shapesbench.md, "The base
 # model"): 12 captions of the family x 4 images, Euler 6 steps, seed 2024.
@@ -24,7 +24,7 @@ BASE_LEVEL = {"color": 0.449, "count": 0.542, "position": 0.295}
 def _draw(family: str):
     scenes = [s for s in world.all_scenes() if s.family == family]
     scenes = [s for s in random.Random(0).sample(scenes, 12) for _ in range(4)]
-    from marble_trl.export import generate_images
+    from marble_trl.publish.export import generate_images
 
     images = generate_images(
         "shapes",
@@ -77,7 +77,7 @@ def test_missing_shapes_model_names_the_fix(monkeypatch, tmp_path):
 
 
 def test_shapes_prompt_sources_carry_the_metadata():
-    from marble_trl.sources import load_source
+    from marble_trl.data.sources import load_source
 
     train = load_source("shapes")
     assert {"prompt", "family", "color", "shape", "count", "position", "source"} <= set(train.column_names)

@@ -289,7 +289,7 @@ def _check_rescore(out, main) -> None:
     composite; `report --rescore` scores it on the run's saved (uint8) held-out images."""
     import json
 
-    from marble_trl.scores import mean_sem
+    from marble_trl.evaluation.scores import mean_sem
     from marble_trl.shapesbench.bench import eval_images
 
     later = ("retrieval", "diversity")

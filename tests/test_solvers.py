@@ -14,7 +14,7 @@ from tiny import tiny_args
 
 from marble_trl import MarbleDiffusionNFTConfig
 from marble_trl.models import FAMILIES, load_model
-from marble_trl.rollout import make_scheduler, solver_names, training_sigmas
+from marble_trl.rollout.solvers import make_scheduler, solver_names, training_sigmas
 
 TINY_NAMES = [f.tiny_name for f in FAMILIES]
 SOLVERS = solver_names()
@@ -174,7 +174,7 @@ def test_solvers_train_and_evaluate_on_a_packed_latent_family(name, tmp_path):
     from tiny import brightness, contrast
 
     from marble_trl import MarbleDiffusionNFTTrainer
-    from marble_trl.data import load_prompt_dataset
+    from marble_trl.data.prompts import load_prompt_dataset
 
     losses = {}
     for solver in ("dpm2", name):

@@ -24,7 +24,7 @@ from test_trainer import brightness, contrast, tiny_args
 from transformers import TrainerCallback
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
-from marble_trl.trackers import TrackerConfig, adapt_model_config, log_image, rollout_grid, tracker_callbacks
+from marble_trl.trainer.trackers import TrackerConfig, adapt_model_config, log_image, rollout_grid, tracker_callbacks
 
 TRAIN = Dataset.from_dict({"prompt": ["a red square", "a blue circle"]})
 EVAL = Dataset.from_dict({"prompt": ["a cat"]})

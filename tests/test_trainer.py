@@ -11,8 +11,8 @@ from datasets import Dataset
 from tiny import brightness, contrast, trainer_args
 
 from marble_trl import MarbleDiffusionNFTTrainer
-from marble_trl.data import load_prompt_dataset
-from marble_trl.lora import OLD_ADAPTER, TRAIN_ADAPTER
+from marble_trl.data.prompts import load_prompt_dataset
+from marble_trl.policy.lora import OLD_ADAPTER, TRAIN_ADAPTER
 from marble_trl.rewards import RewardError
 
 tiny_args = trainer_args  # this file's config: tests/tiny.py
@@ -264,7 +264,7 @@ def test_old_policy_update_interval_keeps_the_old_policy_for_n_steps(tmp_path):
     policy moves only after every second optimizer step, so two steps roll out with the same old policy."""
     from transformers import TrainerCallback
 
-    from marble_trl.lora import lora_parameters as trainer_lora
+    from marble_trl.policy.lora import lora_parameters as trainer_lora
 
     snapshots = []
 

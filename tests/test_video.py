@@ -13,10 +13,10 @@ from tiny import brightness, tiny_args
 
 from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.cli import main
-from marble_trl.data import load_prompt_dataset
+from marble_trl.data.prompts import load_prompt_dataset
+from marble_trl.evaluation.samples import save_samples, write_video
 from marble_trl.rewards import resolve_reward_funcs, score_rewards
 from marble_trl.rewards.video import VideoReward, fold_frames, still_frames, temporal_consistency
-from marble_trl.samples import save_samples, write_video
 
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")
 
@@ -176,7 +176,7 @@ def test_rollout_video_goes_to_wandb(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     from transformers.integrations import WandbCallback
 
-    from marble_trl.trackers import log_image
+    from marble_trl.trainer.trackers import log_image
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -15,7 +15,7 @@ from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.balance import MarbleBalancer
 from marble_trl.balance.registry import AGGREGATORS, WEIGHTINGS
 from marble_trl.balance.weightings import as_solver
-from marble_trl.data import load_prompt_dataset
+from marble_trl.data.prompts import load_prompt_dataset
 
 NON_CONFLICTING = ("mgda", "upgrad", "dualproj")  # methods whose update conflicts with no gradient
 SCALE_INVARIANT = tuple(n for n in AGGREGATORS if n != "nash_mtl")  # nash_mtl: w(sG) = w(G) / sqrt(s)

@@ -5,7 +5,7 @@ Two kinds (TorchJD's split between aggregating losses and aggregating a Jacobian
 
 - **advantage space**: the per-reward advantages are combined into one before the policy loss (one backward, no
   balancer): ``sum_then_normalize`` (DiffusionNFT's weighted sum) and ``normalize_then_sum`` (GDPO); the arithmetic
-  is :func:`marble_trl.advantages.collate_advantages`.
+  is :func:`marble_trl.balance.advantages.collate_advantages`.
 - **gradient space**: a :class:`Weighting` (a K x K Gram matrix in, K weights out; TorchJD's ``Weighting``) applied by
   the balancer (:class:`~marble_trl.balance.marble.MarbleBalancer`: the normalised Gram of Eq. 5, the EMA, the refresh
   schedule, Eq. 7, the counters) to the per-reward gradients of the engines. MARBLE is the min-norm point (MGDA's

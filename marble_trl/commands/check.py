@@ -48,8 +48,8 @@ def check_command(argv: list[str]) -> int:
 
 def run_check(argv: list[str]) -> Report:
     """The whole preflight of ``argv`` (``marble-trl check``'s arguments), as a :class:`Report`."""
-    from ..launch import split_launch_args
     from ..preflight.memory import strategy_from_accelerate
+    from .launch import split_launch_args
 
     report = Report()
     own, train_argv = check_parser().parse_known_args(argv)

@@ -1,5 +1,5 @@
 """``marble-trl datasets list`` / ``marble-trl datasets download [NAME ...] [--from FILE] [--force]``: the named prompt
-sets (:mod:`marble_trl.prompt_sets`), their provenance and cache status, and fetching them ahead of a run (e.g. before
+sets (:mod:`marble_trl.data.prompt_sets`), their provenance and cache status, and fetching them ahead of a run (e.g. before
 going offline, or on a login node)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _size(n: int | None) -> str:
 
 
 def _list(as_json: bool) -> int:
-    from .. import prompt_sets as ps
+    from ..data import prompt_sets as ps
 
     entries = [ps.describe(e) for e in ps.PROMPT_SETS.values()]
     mixtures = {name: [dict(s) for s in specs] for name, specs in ps.MIXTURES.items()}
@@ -78,7 +78,7 @@ def _list(as_json: bool) -> int:
 
 
 def _download(names: list[str], source: str | None, force: bool) -> int:
-    from .. import prompt_sets as ps
+    from ..data import prompt_sets as ps
 
     wanted: list[str] = []
     for name in names or list(ps.PROMPT_SETS):

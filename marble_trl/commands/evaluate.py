@@ -66,9 +66,9 @@ def _evaluate_parser() -> argparse.ArgumentParser:
 def evaluate_command(argv: list[str]) -> list[dict]:
     import torch
 
-    from ..evaluation import EvalSettings, evaluate_models, model_specs
-    from ..scores import markdown_table
-    from ..sources import PromptSource, load_prompt_sources, named_mixture
+    from ..data.sources import PromptSource, load_prompt_sources, named_mixture
+    from ..evaluation.run import EvalSettings, evaluate_models, model_specs
+    from ..evaluation.scores import markdown_table
 
     a = _evaluate_parser().parse_args(argv)
     try:

@@ -39,7 +39,7 @@ def _export_parser() -> argparse.ArgumentParser:
 
 
 def export_command(argv: list[str]) -> dict:
-    from ..export import export_checkpoint
+    from ..publish.export import export_checkpoint
 
     a = _export_parser().parse_args(argv)
     out = export_checkpoint(
@@ -49,7 +49,7 @@ def export_command(argv: list[str]) -> dict:
     result = {"output": str(out)}
     print(f"[marble-trl] exported {a.checkpoint} ({'EMA' if a.ema else 'raw'} weights, {a.format}) -> {out}")
     if a.push_to_hub:
-        from ..hub import push_folder
+        from ..publish.hub import push_folder
 
         commit = push_folder(out, a.push_to_hub, token=a.token, private=a.private or None)
         result["commit_url"] = commit.commit_url

@@ -39,7 +39,7 @@ def _generate_parser() -> argparse.ArgumentParser:
 def generate_command(argv: list[str]) -> list[Path]:
     import torch
 
-    from ..export import generate_to_folder
+    from ..publish.export import generate_to_folder
 
     a = _generate_parser().parse_args(argv)
     dtype = None if a.torch_dtype == "auto" else getattr(torch, a.torch_dtype)

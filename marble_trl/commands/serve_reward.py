@@ -1,4 +1,4 @@
-"""``marble-trl serve-reward``: one reward served over HTTP for ``http_reward`` clients (:mod:`marble_trl.serve`).
+"""``marble-trl serve-reward``: one reward served over HTTP for ``http_reward`` clients (:mod:`marble_trl.rewards.serve`).
 
 Serves until SIGTERM or SIGINT (then stops accepting, lets the requests in flight finish for ``--shutdown_grace``
 seconds and exits 0), or until the reward fails to load (exit 1). Also ``python -m marble_trl.cli serve-reward``.
@@ -14,7 +14,7 @@ import signal
 import threading
 from typing import Any
 
-from ..serve import TOKEN_ENV, RewardServer, ServeLimits, logger
+from ..rewards.serve import TOKEN_ENV, RewardServer, ServeLimits, logger
 
 
 def _at_least(minimum: float, kind: type = int) -> Any:

@@ -88,7 +88,7 @@ class MarbleScriptArguments:
     )
 
     def __post_init__(self) -> None:
-        from ..sources import as_sources, mixture_ratios
+        from ..data.sources import as_sources, mixture_ratios
 
         if isinstance(self.dataset_mixture, (str, dict)):
             self.dataset_mixture = [self.dataset_mixture]
@@ -107,9 +107,9 @@ class MarbleScriptArguments:
 
 
 def load_train_dataset(name: str, split: str = "train", prompt_column: str = "prompt"):
-    """Load the prompt dataset named by ``dataset_name`` (see :func:`marble_trl.sources.load_source`); a named mixture
+    """Load the prompt dataset named by ``dataset_name`` (see :func:`marble_trl.data.sources.load_source`); a named mixture
     (``marble_5rewards_test``) is its sources concatenated with a ``source`` column."""
-    from ..sources import PromptSource, load_prompt_sources, load_source, named_mixture
+    from ..data.sources import PromptSource, load_prompt_sources, load_source, named_mixture
 
     mixture = named_mixture(name)
     if mixture is not None:
@@ -121,7 +121,7 @@ def load_script_datasets(script_args: MarbleScriptArguments, training_args: Marb
     """The train dataset (``dataset_name`` or ``dataset_mixture``, whose ratios become ``source_ratios``; a named
     mixture in ``dataset_name`` counts as a ``dataset_mixture``) and the eval dataset (``eval_dataset_name``, or
     ``None``)."""
-    from ..sources import load_prompt_sources, mixture_ratios, named_mixture
+    from ..data.sources import load_prompt_sources, mixture_ratios, named_mixture
 
     mixture = script_args.dataset_mixture or named_mixture(script_args.dataset_name)
     if mixture:
@@ -158,8 +158,8 @@ def _resolve_dtype(name: str, training_args: MarbleDiffusionNFTConfig):
 
 def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTConfig) -> dict:
     """Run one training job; writes the LoRA, ``metrics.jsonl`` and ``samples_before_after.png`` to ``output_dir``."""
+    from ..evaluation.samples import save_before_after, score_images
     from ..models import load_model
-    from ..samples import save_before_after, score_images
     from ..trainer import MarbleDiffusionNFTTrainer
 
     if not script_args.reward_funcs:
@@ -222,7 +222,7 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
                 f"[marble-trl] stopped by {trainer.stopped_by_signal} at step {result.global_step}; checkpoint "
                 f"{out / f'checkpoint-{result.global_step}'}; resume with --resume_from_checkpoint true"
             )
-        from ..console import reward_summary_lines
+        from ..trainer.console import reward_summary_lines
 
         for line in reward_summary_lines(trainer.state.log_history):  # first vs last logged mean of each reward
             print(line)
@@ -266,7 +266,7 @@ def _save_after_failure(trainer, out: Path, error: BaseException, start: float) 
     error and the emergency checkpoint) before the error propagates (non-zero exit)."""
     if not trainer.is_world_process_zero() or trainer.state.global_step == 0:
         return  # before the first step (a refused resume, a busy or occupied output_dir): the folder is not ours
-    from ..guards import non_finite_tensors
+    from ..distributed import non_finite_tensors
 
     out.mkdir(parents=True, exist_ok=True)
     one_process = trainer.accelerator.num_processes == 1  # else the other processes may be stuck: no save
@@ -302,7 +302,7 @@ def grid_prompt_list(dataset, n: int) -> list[str]:
     """The before/after grid's ``n`` prompts: the dataset's distinct prompts in order, taken from each prompt source
     in turn when it has a ``source`` column (a mixture's rows come source by source, so its first rows would all be
     one source's)."""
-    from ..sources import SOURCE_COLUMN
+    from ..data.sources import SOURCE_COLUMN
 
     prompts = list(dict.fromkeys(dataset["prompt"]))
     if SOURCE_COLUMN not in dataset.column_names:
@@ -331,7 +331,7 @@ def _resume_arg(value: str | None) -> str | bool | None:
 
 def train_parser():
     """``marble-trl train``'s parser: TRL's ``TrlParser`` over the script and training arguments, with the wrapper's
-    own flags in its help (``--config`` is read by ``TrlParser``, the launcher flags by :mod:`marble_trl.launch`;
+    own flags in its help (``--config`` is read by ``TrlParser``, the launcher flags by :mod:`marble_trl.commands.launch`;
     ``argparse.SUPPRESS`` keeps them out of the parsed dataclasses)."""
     from trl import TrlParser
 

@@ -17,7 +17,7 @@ import torch
 
 from ..artifacts import LORA_KEY_PREFIX
 from ..distributed import zero3_init_disabled
-from ..rollout import pinned_grid, training_sigmas
+from ..rollout.solvers import pinned_grid, training_sigmas
 from .loading import cast_built, from_pretrained
 from .prompt_cache import encoders_visiting
 
@@ -204,7 +204,7 @@ class DiffusersFlowAdapter:
 
     def training_grid(self, num_steps: int, resolution: int) -> torch.Tensor:
         """The sigmas DiffusionNFT trains on and every rollout solver evaluates the transformer at: the pipeline's
-        Euler grid with the family's ``set_timesteps`` arguments (:func:`marble_trl.rollout.training_sigmas`)."""
+        Euler grid with the family's ``set_timesteps`` arguments (:func:`marble_trl.rollout.solvers.training_sigmas`)."""
         return training_sigmas(self.pipeline.scheduler, num_steps, **self.timestep_kwargs(num_steps, resolution))
 
     def call_for_latents(self, scheduler, num_steps: int, resolution: int, generator: torch.Generator, **kwargs):

@@ -10,7 +10,7 @@ What differs from SD3:
   ``expand_timesteps`` gives one timestep per latent token.
 - **CFG** with the negative prompt (``guidance_scale > 1``), as the pipeline does it.
 - **Scheduler.** Wan checkpoints ship ``UniPCMultistepScheduler`` with flow sigmas and ``flow_shift``; the rollout
-  solvers read ``flow_shift`` as the flow-matching ``shift`` (:func:`marble_trl.rollout.flow_config`).
+  solvers read ``flow_shift`` as the flow-matching ``shift`` (:func:`marble_trl.rollout.solvers.flow_config`).
 
 Not supported: Wan 2.2 A14B's two experts (``transformer_2`` with ``boundary_ratio``): one LoRA per expert and the
 switch at the boundary time would change the trainer's one-policy assumption; the adapter refuses such a pipeline.

@@ -281,9 +281,9 @@ def frozen_counts(arch: Architecture) -> dict[str, Any]:
 
 def lora_parameter_count(transformer: torch.nn.Module, lora_config) -> int:
     """Parameters of the trainable LoRA adapter, added under the trainer's adapter name with peft (the old-policy
-    adapter the trainer adds next has the same shape; :func:`marble_trl.lora.add_policy_adapters` copies values, which
+    adapter the trainer adds next has the same shape; :func:`marble_trl.policy.lora.add_policy_adapters` copies values, which
     the meta device does not hold). peft raises when no module matches. ``transformer`` is modified."""
-    from ..lora import TRAIN_ADAPTER, lora_parameters
+    from ..policy.lora import TRAIN_ADAPTER, lora_parameters
 
     on = next(transformer.parameters()).device
     with torch.device(on) if on.type == "meta" else contextlib.nullcontext():  # peft makes its layers on CPU else

@@ -41,9 +41,9 @@ def _timed(fn):
 def _measure(script_args, args) -> list[str]:
     from ..commands.train import _resolve_dtype
     from ..distributed import num_train_timesteps
-    from ..lora import add_policy_adapters
     from ..models import load_model
-    from ..rollout import make_scheduler
+    from ..policy.lora import add_policy_adapters
+    from ..rollout.solvers import make_scheduler
     from ..trainer.setup import lora_config
 
     device = torch.device("cuda")

@@ -278,7 +278,7 @@ def check_family_needs(info: ModelInfo, args, report: Report, check_resolution) 
         )
     for field_name in ("sample_scheduler", "eval_sample_scheduler"):
         if getattr(args, field_name) == "pipeline" and info.scheduler_class:
-            from ..rollout import FLOW_SOLVER_CLASSES
+            from ..rollout.solvers import FLOW_SOLVER_CLASSES
 
             if info.scheduler_class not in FLOW_SOLVER_CLASSES:
                 report.error(

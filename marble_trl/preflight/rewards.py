@@ -234,7 +234,7 @@ def applicability(
 ) -> list[tuple[str, str, str]]:
     """Each reward's share of the prompts it scores (``None`` elsewhere): per step when the sources have ratios,
     else over the dataset's rows. Rows of the table printed: ``(reward, share, rule)``."""
-    from ..sources import SOURCE_COLUMN
+    from ..data.sources import SOURCE_COLUMN
 
     rows = []
     prompts = list(dataset["prompt"])

@@ -71,7 +71,7 @@ def _run_lines(script_args, args, bf16: bool, strategy: Strategy) -> list[str]:
 def _offline_sources(script_args, report: Report) -> bool:
     """Whether every prompt source can be read here without a network (a local file, a built-in source, a prompt set
     already cached); a missing local file is an error (the run would fail at its start)."""
-    from ..sources import PROMPT_SETS, SHAPES_SOURCES, as_sources, named_mixture
+    from ..data.sources import PROMPT_SETS, SHAPES_SOURCES, as_sources, named_mixture
 
     names = [s.path for s in script_args.dataset_mixture] or [
         s.path for s in (named_mixture(script_args.dataset_name) or as_sources([script_args.dataset_name]))
@@ -86,7 +86,7 @@ def _offline_sources(script_args, report: Report) -> bool:
         if name == "bundled" or name in SHAPES_SOURCES:
             continue
         if name in PROMPT_SETS:
-            from ..prompt_sets import available_offline
+            from ..data.prompt_sets import available_offline
 
             if not available_offline(PROMPT_SETS[name]):
                 report.note(

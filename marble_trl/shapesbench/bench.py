@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from ..evaluation.scores import mean_sem
 from ..models.sd3 import DEFAULT_LORA_TARGETS
-from ..scores import mean_sem
 from .methods import Method, StepTimer, all_methods, attach
 from .scorers import HELD_OUT_REWARDS, REWARD_NAMES, REWARDS, score_all
 from .world import COLUMNS, Scene, eval_scenes, family_dataset, train_dataset

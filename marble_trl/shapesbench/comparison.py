@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..balance.registry import AGGREGATORS
-from ..scores import mean_sem
+from ..evaluation.scores import mean_sem
 from .scorers import EVAL_NAMES, REWARD_NAMES
 
 # The multi-reward methods beyond the paper's set (ablations, other weightings), in table order.

@@ -1,7 +1,7 @@
 """ShapesBench tables and plots from the run records (``runs/*.json``) written by :mod:`marble_trl.shapesbench.bench`.
 
 - **Table 1** (``table1_rewards``): held-out score of every reward per method, mean +- standard error over seeds, and
-  the composite z-score (``marble_trl.scores.composite_zscores`` over the methods and the base model, computed per
+  the composite z-score (``marble_trl.evaluation.scores.composite_zscores`` over the methods and the base model, computed per
   seed, then averaged);
 - **Table S1** (``tableS1_harmony``): update harmony over training steps: worst-reward cosine ``min_k cos(d, g_k)``,
   mean cosine, variance of the cosines across rewards, conflict rate ``P(min_k cos < 0)``; over the rewards *with
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..scores import composite_zscores, markdown_table, mean_sem, write_csv
+from ..evaluation.scores import composite_zscores, markdown_table, mean_sem, write_csv
 from .bench import eval_images, images_per_prompt
 from .comparison import COLUMNS as COMPARISON_COLUMNS
 from .comparison import MULTI_REWARD_ORDER, balancer_comparison

@@ -35,7 +35,7 @@ from ..distributed import (
     shard_like,
     shard_lora_layers_outside_blocks,
 )
-from ..nft import NFTTerms
+from ..policy.nft import NFTTerms
 
 
 @dataclass(frozen=True)

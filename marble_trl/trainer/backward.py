@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..balance import GradientEngine, MarbleBalancer, RefreshInfo, cosine_stats, make_gradient_engine, update_cosines
-from ..lora import use_old_policy, use_reference
-from ..nft import add_noise, advantage_to_r, masked_weights, nft_loss, nft_loss_terms, nft_weighted_loss
+from ..policy.lora import use_old_policy, use_reference
+from ..policy.nft import add_noise, advantage_to_r, masked_weights, nft_loss, nft_loss_terms, nft_weighted_loss
 from .backends import Backend, LossSettings
 from .step import MicroBatch
 
@@ -112,7 +112,7 @@ def policy_forward(
 ) -> Callable:
     """``forward(module) -> (v_theta, terms, loss)``: the policy's forward on ``inputs`` and the step's NFT loss (its
     policy term scaled by the plan's ``policy_scale``), or, with per-sample ``weights`` ``(on L_pos, on L_neg)`` (or
-    the micro-batch's ``loss_weights``), :func:`~marble_trl.nft.nft_weighted_loss` (a masked solve's update)."""
+    the micro-batch's ``loss_weights``), :func:`~marble_trl.policy.nft.nft_weighted_loss` (a masked solve's update)."""
     weights = weights if weights is not None else batch.loss_weights
 
     def forward(module):

@@ -1,6 +1,6 @@
 """The trainer's checkpoints: what a checkpoint holds beyond the Trainer's own files, written atomically, loaded for
-an exact resume (with the checks of :mod:`marble_trl.resume`), and the best checkpoint of ``load_best_model_at_end``
-(the checkpoints on SIGTERM / SIGINT and after a crash: :mod:`.interruptions`). The folder format is :mod:`marble_trl.checkpoint`'s
+an exact resume (with the checks of :mod:`marble_trl.persistence.resume`), and the best checkpoint of ``load_best_model_at_end``
+(the checkpoints on SIGTERM / SIGINT and after a crash: :mod:`.interruptions`). The folder format is :mod:`marble_trl.persistence.checkpoint`'s
 (file names in :mod:`marble_trl.artifacts`); these functions take the trainer whose state they save or restore.
 """
 
@@ -30,7 +30,8 @@ from ..artifacts import (
     TRAINER_STATE_FILE,
     lora_key,
 )
-from ..checkpoint import (
+from ..distributed import full_tensor, gathered
+from ..persistence.checkpoint import (
     adapter_state,
     add_checksums,
     base_model_name,
@@ -45,9 +46,8 @@ from ..checkpoint import (
     replace_dir,
     write_json,
 )
-from ..distributed import full_tensor, gathered
-from ..lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters, master_weights
-from ..resume import APPLIED_FIELDS, DATASET_KEY, EXACT_FIELDS, FROZEN_FIELDS, dataset_fingerprint
+from ..persistence.resume import APPLIED_FIELDS, DATASET_KEY, EXACT_FIELDS, FROZEN_FIELDS, dataset_fingerprint
+from ..policy.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters, master_weights
 
 logger = logging.getLogger(__name__)
 

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from ..best import selection_metrics
-from ..data import check_prompt_dataset
-from ..evaluation import generate_eval_images, grid_image, sample_seed, summarize_scores
-from ..lora import LoraEMA, use_reference
+from ..data.prompts import check_prompt_dataset
+from ..data.sources import SOURCE_COLUMN
+from ..evaluation.run import generate_eval_images, grid_image, sample_seed, summarize_scores
+from ..persistence.best import selection_metrics
+from ..policy.lora import LoraEMA, use_reference
 from ..rewards import RewardFunc, score_rewards
-from ..sources import SOURCE_COLUMN
-from ..trackers import log_image
+from .trackers import log_image
 
 
 @dataclass
@@ -174,7 +174,7 @@ class EvaluationHooks:
 
         Logs and returns ``{prefix}_rewards/{name}/mean`` (and ``std``, ``sem``, ``count``, and per source
         ``{prefix}_rewards/{name}/{source}/mean``), ``{prefix}_composite`` and, from the second evaluation on,
-        ``{prefix}_hacking`` (:mod:`marble_trl.best`), ``{prefix}_runtime`` and ``{prefix}_samples``; saves an image grid
+        ``{prefix}_hacking`` (:mod:`marble_trl.persistence.best`), ``{prefix}_runtime`` and ``{prefix}_samples``; saves an image grid
         of the first ``eval_grid_prompts`` prompts to ``output_dir/eval/step-{N}.png``. Prompts are sharded over the
         processes and the scores gathered. Training randomness is untouched: a run with evaluations trains exactly as
         one without. A dict of eval datasets is evaluated one by one, with the prefix ``eval_{key}``.
@@ -200,7 +200,7 @@ class EvaluationHooks:
                 self.reward_names,
                 self.eval_reward_names,
             )
-        )  # composite, hacking (marble_trl.best)
+        )  # composite, hacking (marble_trl.persistence.best)
         metrics[f"{metric_key_prefix}_runtime"] = round(time.time() - start, 4)
         self.log_metrics_only(metrics)  # the step's training metrics wait for the training log
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
@@ -227,5 +227,5 @@ class EvaluationHooks:
 
     def _log_eval_grid(self, image, tag: str) -> None:
         """Send the evaluation grid to the TensorBoard / wandb / Trackio runs of ``report_to`` (the Trainer's
-        callbacks of those types, subclasses included; see :mod:`marble_trl.trackers`)."""
+        callbacks of those types, subclasses included; see :mod:`marble_trl.trainer.trackers`)."""
         log_image(self.callback_handler.callbacks, tag, image, self.state.global_step)

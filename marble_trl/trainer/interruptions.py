@@ -17,9 +17,9 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..guards import non_finite_tensors
-from ..output_dir import OutputDirLock, check_not_overwriting
-from ..resume import resolve_resume
+from ..distributed import non_finite_tensors
+from ..persistence.output_dir import OutputDirLock, check_not_overwriting
+from ..persistence.resume import resolve_resume
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
-from ..advantages import group_std, group_std_is_zero
 from ..balance import RefreshInfo
+from ..balance.advantages import group_std, group_std_is_zero
+from ..evaluation.samples import write_video
 from ..rewards import RewardLogs, finite_numbers
-from ..samples import write_video
-from ..trackers import rollout_grid
+from .trackers import rollout_grid
 
 
 def reward_metrics(

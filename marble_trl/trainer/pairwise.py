@@ -7,7 +7,7 @@ solved or amortised on its own (:class:`~marble_trl.balance.ReleasedMarble`; aim
   transformer; each reward's loss the mean over the micro-batch's samples it applies to), averaged over the processes,
   solved (:meth:`ReleasedMarble.solve`: the QP, Eq. 7's rescale, the EMA), then the update ``d = sum_k c_k g_k`` plus
   the KL gradient as one ordinary backward through the back-end with per-sample weights on ``L_pos`` / ``L_neg``
-  (:func:`~marble_trl.nft.nft_weighted_loss`). The release writes ``d + g_KL`` into ``.grad`` instead; the two are
+  (:func:`~marble_trl.policy.nft.nft_weighted_loss`). The release writes ``d + g_KL`` into ``.grad`` instead; the two are
   the same gradient, and this one also runs under DeepSpeed (which owns ``.grad``) and FSDP2.
 
 The logged ``loss`` of a solved pair is the loss of that backward (``sum_k c_k L_k + beta KL``); the release logs one
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..balance import GradientEngine, PairSolve, ReleasedMarble
-from ..nft import advantage_to_r, masked_weights
+from ..policy.nft import advantage_to_r, masked_weights
 from .backends import Backend, LossSettings, engine_scale
 from .backward import MicroBatchResult, Predict, policy_forward, timestep_inputs
 from .step import MicroBatch

@@ -1,4 +1,4 @@
-"""The trainer's publishing: its model card and ``marble_trl.json`` (:mod:`marble_trl.hub` renders and writes them),
+"""The trainer's publishing: its model card and ``marble_trl.json`` (:mod:`marble_trl.publish.hub` renders and writes them),
 sample images for the card, and uploads to the Hub (``push_to_hub``, ``hub_strategy`` pushes of checkpoints)."""
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ from pathlib import Path
 from transformers import Trainer
 
 from ..artifacts import LORA_FILE, PUSH_IGNORE, SAMPLES_DIR
-from ..checkpoint import base_model_name
-from ..hub import (
+from ..evaluation.samples import save_samples
+from ..models import tiny_seed_of
+from ..models.tiny import is_tiny
+from ..persistence.checkpoint import base_model_name
+from ..publish.hub import (
     CardInfo,
     hub_api,
     override_card,
@@ -20,9 +23,6 @@ from ..hub import (
     write_export_config,
     write_model_card,
 )
-from ..models import tiny_seed_of
-from ..models.tiny import is_tiny
-from ..samples import save_samples
 
 
 # ------------------------------------------------------------------------------------------------- building CardInfo

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from ..data import GroupSampler, check_prompt_dataset
+from ..data.prompts import GroupSampler, check_prompt_dataset
+from ..data.sources import SOURCE_COLUMN
 from ..rewards import RewardFunc, check_reward_funcs, resolve_reward_funcs, reward_name
-from ..sources import SOURCE_COLUMN
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def source_indices(dataset, ratios: dict[str, float] | None) -> tuple[list[int] 
     if SOURCE_COLUMN not in dataset.column_names:
         raise ValueError(
             f"source_ratios is set ({ratios}) but the train dataset has no {SOURCE_COLUMN!r} column; build it with "
-            "marble_trl.sources.load_prompt_sources (or add the column), or unset source_ratios."
+            "marble_trl.data.sources.load_prompt_sources (or add the column), or unset source_ratios."
         )
     names = list(ratios)
     index = {name: k for k, name in enumerate(names)}
@@ -242,7 +242,7 @@ def check_unreached_parameters(args, adapter, transformer: torch.nn.Module) -> N
     gradients); with some, DDP runs with ``find_unused_parameters=True`` and a warning names them."""
     if args.world_size <= 1 or args.ddp_find_unused_parameters:
         return
-    from ..lora import TRAIN_ADAPTER, lora_parameters
+    from ..policy.lora import TRAIN_ADAPTER, lora_parameters
 
     unreached = unreached_trainable(adapter, transformer, lora_parameters(transformer, TRAIN_ADAPTER))
     if unreached:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from ..balance import GradientEngine, MarbleBalancer, RefreshInfo
-from ..nft import advantage_to_r, masked_weights
+from ..policy.nft import advantage_to_r, masked_weights
 from .backends import Backend, LossSettings, engine_scale
 from .backward import Predict, policy_forward, timestep_inputs
 from .step import MicroBatch

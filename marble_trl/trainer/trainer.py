@@ -8,7 +8,7 @@ It is a :class:`transformers.Trainer` (through TRL's base), so logging, ``report
 ``save_steps`` behave as usual. One optimizer step is:
 
 1. rollouts of ``G`` images (videos) per prompt with the old-policy adapter (CFG-free by default);
-2. rewards, gathered over processes, and group advantages (:mod:`marble_trl.advantages`);
+2. rewards, gathered over processes, and group advantages (:mod:`marble_trl.balance.advantages`);
 3. the NFT loss on the forward process for every (micro-batch, training timestep), accumulated into one step
    (:mod:`.step` plans the step, :mod:`.backward` runs it; the model is reached only through its family adapter,
    :mod:`marble_trl.models`);
@@ -19,7 +19,7 @@ The ``transformers.Trainer`` hooks overridden, and why:
 - ``get_batch_samples``: it receives the micro-batches of one optimizer step at once; the rollouts and rewards of the
   whole step run there (step 1-2), and it returns the micro-batches of rollout data;
 - ``training_step``: the NFT loss over the sampler's timesteps (step 3);
-- ``_get_train_sampler``: whole groups, whole steps (:class:`~marble_trl.data.GroupSampler`);
+- ``_get_train_sampler``: whole groups, whole steps (:class:`~marble_trl.data.prompts.GroupSampler`);
 - ``log``: adds the averaged rollout/reward/NFT metrics;
 - ``_send_telemetry``: TRL's reads ``model.config.model_type``, which diffusers models lack;
 - saving, checkpoints, resume, the best model and the Hub: :class:`~.persistence.PersistenceHooks`;
@@ -28,7 +28,7 @@ The ``transformers.Trainer`` hooks overridden, and why:
 
 Rollouts and training share the reference's grid: the training timesteps are the Euler sigma grid of the pipeline's
 shift with ``num_sample_steps`` points, and the default ``dpm2`` rollout solver is the reference's 2nd-order DPM-Solver
-evaluated at exactly those sigmas (:mod:`marble_trl.dpm_solver`). Deviations from the reference code
+evaluated at exactly those sigmas (:mod:`marble_trl.rollout.dpm_solver`). Deviations from the reference code
 (``docs/nft-loss.md`` lists them all): rollout timesteps are not rounded to integers; the old-policy and EMA decays
 use the 0-based index of the step just taken; the LoRA is float32 and the base model may be bf16 (the reference
 keeps the whole transformer in float32 under autocast); advantages use population stds as the reference does (TRL's
@@ -48,32 +48,31 @@ import torch
 from transformers import TrainerCallback, set_seed
 
 from .._trl import BaseTrainer
-from ..advantages import collate_advantages
 from ..balance import MarbleBalancer
-from ..best import RewardHackingCallback
-from ..checkpoint import SamplerEpochCallback
-from ..console import order_logs, use_compact_console
-from ..data import GroupSampler
+from ..balance.advantages import collate_advantages
+from ..data.prompts import GroupSampler
+from ..data.sources import SOURCE_COLUMN
 from ..distributed import (
     check_frozen_models_not_partitioned,
     disable_zero3_init,
     num_train_timesteps,
 )
-from ..guards import NonFiniteGuard
-from ..lora import TRAIN_ADAPTER, LoraEMA, OldPolicy, add_policy_adapters, lora_parameters, use_old_policy
 from ..models import Conditioning, adapter_for, load_model
 from ..models.prompt_cache import build_prompt_cache, dataset_prompts, offload_text_encoders
-from ..nft import advantage_to_r, old_policy_decay, param_ema_decay
 from ..nft_config import MarbleDiffusionNFTConfig
+from ..persistence.best import RewardHackingCallback
+from ..persistence.checkpoint import SamplerEpochCallback
+from ..policy.lora import TRAIN_ADAPTER, LoraEMA, OldPolicy, add_policy_adapters, lora_parameters, use_old_policy
+from ..policy.nft import advantage_to_r, old_policy_decay, param_ema_decay
 from ..rewards import RewardFunc, RewardLogs, check_reward_funcs, score_rewards
-from ..rollout import make_scheduler
+from ..rollout.solvers import make_scheduler
 from ..seeding import keyed_generator
-from ..sources import SOURCE_COLUMN
-from ..trackers import adapt_model_config, log_image
 from .backends import LossSettings, make_backend
 from .backward import micro_batch_loss
 from .balancing import BalancingHooks
+from .console import order_logs, use_compact_console
 from .evaluate import EvaluationHooks
+from .guards import NonFiniteGuard
 from .interruptions import SaveOnSignalCallback
 from .metrics import flush_reward_logs, reward_metrics, save_rollout_grid
 from .persistence import PersistenceHooks
@@ -102,6 +101,7 @@ from .step import (
     rollouts,
     run_together,
 )
+from .trackers import adapt_model_config, log_image
 
 
 def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -472,7 +472,7 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
                 finite = [v for v in values if not math.isnan(v)]
                 logs[key] = sum(finite) / len(finite) if finite else float("nan")
             self._metrics.clear()
-        order_logs(logs)  # console: loss, reward, rewards/*/mean first (marble_trl.console)
+        order_logs(logs)  # console: loss, reward, rewards/*/mean first (marble_trl.trainer.console)
         super().log(logs, start_time)
 
     def _log_rollout_samples(self, prompts, images, rewards, groups) -> None:

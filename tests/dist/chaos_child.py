@@ -43,7 +43,7 @@ def _install() -> None:
 
     import marble_trl.balance.marble as marble
     import marble_trl.balance.released as released
-    import marble_trl.guards as guards
+    import marble_trl.trainer.guards as guards
     import marble_trl.trainer.checkpointing as checkpointing
     import marble_trl.trainer.trainer as trainer
 

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
-from marble_trl.lora import LoraEMA, OldPolicy, add_policy_adapters, lora_parameters, master_weights  # noqa: E402
+from marble_trl.policy.lora import LoraEMA, OldPolicy, add_policy_adapters, lora_parameters, master_weights  # noqa: E402
 from marble_trl.models import load_sd3_pipeline  # noqa: E402
 
 ETA, DECAY, STEPS = 0.999, 0.9, 4

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: released
 from released_reference import ReleasedReference  # noqa: E402
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer  # noqa: E402
-from marble_trl.data import load_prompt_dataset  # noqa: E402
+from marble_trl.data.prompts import load_prompt_dataset  # noqa: E402
 
 LR = 0.05
 REFRESH, WARMUP, RHO = 4, 1, 0.7

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
-from marble_trl.data import load_prompt_dataset
+from marble_trl.data.prompts import load_prompt_dataset
 
 
 def brightness(prompts, images, **_):

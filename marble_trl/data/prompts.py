@@ -3,7 +3,7 @@
 The trainer reads a :class:`datasets.Dataset` with a ``prompt`` column; every other column is passed to the reward
 functions. :class:`GroupSampler` repeats each prompt ``num_generations`` times in a row (one group), like TRL GRPO's
 ``RepeatSampler``, and yields only whole optimizer steps of ``prompts_per_step`` groups. With several prompt sources
-(a ``source`` column, see :mod:`marble_trl.sources`) and sampling ratios, it draws each step's prompts per source by
+(a ``source`` column, see :mod:`marble_trl.data.sources`) and sampling ratios, it draws each step's prompts per source by
 ratio.
 """
 
@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 from torch.utils.data import Sampler
 
-from .seeding import keyed_generator
+from ..seeding import keyed_generator
 
 BUNDLED_PROMPTS = "tiny_prompts.txt"
 
 
 def bundled_prompts_path() -> Path:
     """Path of the prompt file shipped with the package (used by the tiny CPU recipe)."""
-    return Path(str(resources.files("marble_trl") / "data" / BUNDLED_PROMPTS))
+    return Path(str(resources.files("marble_trl.data") / BUNDLED_PROMPTS))
 
 
 def check_utf8(file: Path) -> None:

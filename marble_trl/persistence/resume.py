@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import load_file
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..distributed import non_finite_tensors
 from .checkpoint import checksum_mismatches, read_manifest
-from .guards import non_finite_tensors
 
 logger = logging.getLogger(__name__)
 

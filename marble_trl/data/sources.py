@@ -2,7 +2,7 @@
 
 A source is a prompt file (``.txt`` one prompt per line, ``.json`` / ``.jsonl`` / ``.csv`` / ``.parquet``), the
 bundled tiny prompt file (``"bundled"``), the ShapesBench world (``"shapes"``, ...), a paper's prompt set by name
-(``"pickscore"``, ``"ocr_test"``, ...: shipped or downloaded once, verified, :mod:`marble_trl.prompt_sets`), or a Hub
+(``"pickscore"``, ``"ocr_test"``, ...: shipped or downloaded once, verified, :mod:`marble_trl.data.prompt_sets`), or a Hub
 dataset id (loaded with ``datasets.load_dataset``). Every column other than the prompt reaches the reward functions
 (GenEval metadata, the text to render, ...). A named mixture (``"marble_5rewards"``) is a list of sources:
 :func:`named_mixture`.
@@ -10,7 +10,7 @@ dataset id (loaded with ``datasets.load_dataset``). Every column other than the 
 Several sources are concatenated into one dataset with a ``source`` column (the source's ``name``); a column that
 only some sources have is ``None`` in the rows of the others. Sampling shares are not encoded in the dataset: pass
 :func:`mixture_ratios` as the config's ``source_ratios`` (``marble-trl train`` does it for you) and the
-:class:`~marble_trl.data.GroupSampler` draws each step's prompts per source by ratio. Without ratios, rows are drawn
+:class:`~marble_trl.data.prompts.GroupSampler` draws each step's prompts per source by ratio. Without ratios, rows are drawn
 uniformly (each source in proportion to its size, like TRL's plain concatenation).
 
 Naming follows TRL's ``DatasetConfig`` where the meaning is the same (``path``, ``split``, ``columns``); ``name`` is
@@ -42,7 +42,7 @@ class PromptSource:
 
     Args:
         path: ``"bundled"``, ``"shapes"`` / ``"shapes_<family>"`` / ``"shapes_eval"``, a prompt set's name
-            (:data:`~marble_trl.prompt_sets.PROMPT_SETS`), a local ``.txt`` / ``.json`` / ``.jsonl`` / ``.csv`` /
+            (:data:`~marble_trl.data.prompt_sets.PROMPT_SETS`), a local ``.txt`` / ``.json`` / ``.jsonl`` / ``.csv`` /
             ``.parquet`` file, or a Hub dataset id.
         ratio: share of the prompts drawn from this source (normalised over the mixture). Set it for every source
             or for none (none: rows drawn uniformly, each source in proportion to its size).
@@ -190,7 +190,7 @@ def _load_shapes_source(name: str):
 
 
 def named_mixture(name: str | None) -> list[PromptSource] | None:
-    """The sources of a named mixture (``marble_5rewards``, ``marble_5rewards_test``: :mod:`marble_trl.prompt_sets`),
+    """The sources of a named mixture (``marble_5rewards``, ``marble_5rewards_test``: :mod:`marble_trl.data.prompt_sets`),
     or ``None`` when ``name`` is not one."""
     if name not in MIXTURES:
         return None
@@ -205,7 +205,7 @@ def is_builtin(path: str) -> bool:
 
 def load_source(source: PromptSource | str | Mapping):
     """One source as a ``datasets.Dataset`` whose first column is ``prompt`` (plus its extra columns)."""
-    from .data import check_prompt_dataset, load_prompt_dataset
+    from .prompts import check_prompt_dataset, load_prompt_dataset
 
     source = PromptSource.from_spec(source)
     path = source.path
@@ -300,7 +300,7 @@ def _load_file(name: str, file: Path, suffix: str):
 
     fmt = FILE_FORMATS[suffix]
     if suffix != "parquet":  # text formats: an encoding error names the line (parquet stores UTF-8 by format)
-        from .data import check_utf8
+        from .prompts import check_utf8
 
         check_utf8(file)
     if _has_no_rows(file, suffix):

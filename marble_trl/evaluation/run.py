@@ -14,7 +14,7 @@ nor on any training randomness; the default sampler is the reference's 40-step E
   (each captioned with its prompt and scores);
 - ``comparison.png``: those images side by side, one column per model, one row per (prompt, image), same seeds;
 - ``results.md`` and ``results.csv``: per model, each reward's mean and standard error, and the paper's composite
-  (the mean over rewards of the model's z-score against the compared models; :mod:`marble_trl.scores`);
+  (the mean over rewards of the model's z-score against the compared models; :mod:`marble_trl.evaluation.scores`);
 - ``rewards.png``: a bar chart of each reward's mean and standard error per model (needs matplotlib).
 """
 
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from .artifacts import EVAL_SETTINGS_FILE, LORA_FILE, PEFT_WEIGHTS_FILE
+from ..artifacts import EVAL_SETTINGS_FILE, LORA_FILE, PEFT_WEIGHTS_FILE
+from ..seeding import derived_seed
 from .scores import composite_zscores, markdown_table, mean_sem, write_csv
-from .seeding import derived_seed
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def generate_eval_images(
 ) -> torch.Tensor:
     """Images ``[B, 3, H, W]`` (videos ``[B, F, 3, H, W]``) in ``[0, 1]`` for ``prompts``, image ``j`` from noise
     seeded with ``seeds[j]``; ``pipeline`` is a diffusers pipeline of a supported family or its adapter."""
-    from .models import adapter_for
+    from ..models import adapter_for
 
     adapter = pipeline if hasattr(pipeline, "predict") else adapter_for(pipeline)
     device = torch.device(device) if device is not None else adapter.transformer.device
@@ -252,12 +252,12 @@ def evaluate_models(
     """
     from tqdm.auto import tqdm
 
-    from .data import check_prompt_dataset
-    from .export import read_sampling_settings
-    from .models import TINY_MODEL_NAMES, load_model
-    from .rewards import resolve_reward_funcs, reward_name, score_rewards
-    from .rewards.images import to_pil
-    from .rollout import make_scheduler
+    from ..data.prompts import check_prompt_dataset
+    from ..models import TINY_MODEL_NAMES, load_model
+    from ..publish.export import read_sampling_settings
+    from ..rewards import resolve_reward_funcs, reward_name, score_rewards
+    from ..rewards.images import to_pil
+    from ..rollout.solvers import make_scheduler
 
     funcs = resolve_reward_funcs(list(settings.reward_funcs), settings.reward_kwargs)  # unknown names fail first
     check_prompt_dataset(dataset, name="prompt set")

@@ -9,7 +9,7 @@ family: the grid is rebuilt from exactly what the pipeline passes to ``set_times
 family pipelines' signature checks (``retrieve_timesteps`` asks for ``sigmas``) pass for every solver.
 
 - ``euler``: ``FlowMatchEulerDiscreteScheduler`` (the grid's own scheduler);
-- ``dpm2`` (default): the reference's 2nd-order multistep DPM-Solver (:mod:`marble_trl.dpm_solver`);
+- ``dpm2`` (default): the reference's 2nd-order multistep DPM-Solver (:mod:`marble_trl.rollout.dpm_solver`);
 - ``heun``: ``FlowMatchHeunDiscreteScheduler``'s predictor-corrector on the grid (two evaluations per step but the
   last, both at grid sigmas);
 - ``dpm2_diffusers``: diffusers' own ``DPMSolverMultistepScheduler`` (DPM-Solver++ 2M, flow prediction) on the grid:

@@ -147,7 +147,7 @@ def rollout_grid(
     the first ``max_prompts`` groups and the first ``max_images`` images of each; the prompt labels the row and each
     image's rewards (``rewards[k, i]``; NaN, not applicable, shows as ``n/a``) are written under it. ``images`` are
     ``[N, 3, H, W]`` in ``[0, 1]``."""
-    from .samples import captioned_grid
+    from ..evaluation.samples import captioned_grid
 
     keys = list(groups) if groups is not None else list(prompts)
     runs: list[list[int]] = []

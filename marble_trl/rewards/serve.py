@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from .rewards.base import RESERVED_NAMES, RewardError, check_reward_signature, reward_name, score_rewards
+from .base import RESERVED_NAMES, RewardError, check_reward_signature, reward_name, score_rewards
 
 logger = logging.getLogger(__name__)
 

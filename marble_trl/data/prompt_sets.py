@@ -3,7 +3,7 @@ splits, and the mixture ``marble_5rewards``): shipped in the package where the f
 use.
 
 Each set is one file of a public GitHub repository at a pinned commit (flow_grpo, MIT; DiffusionNFT, Apache-2.0). Five
-are shipped xz-compressed in ``marble_trl/prompt_data`` (3.7 MB of prompts in 0.7 MB, with the licences): they are
+are shipped xz-compressed in ``marble_trl/data/prompt_data`` (3.7 MB of prompts in 0.7 MB, with the licences): they are
 unpacked into the cache on first use, checked like a download, with no network. The others (``ocr``, ``geneval``) are
 downloaded from ``raw.githubusercontent.com`` at that commit. Every file is checked against the digests recorded below
 (SHA-256 and size where known, and always git's object id of the file at that commit) and kept in a cache:
@@ -20,7 +20,7 @@ substituted file. ``marble-trl datasets download`` prints the SHA-256 of every f
 
 The mixture ``marble_5rewards`` is the MARBLE release's training data (aim-uofa/MARBLE ``MixedPromptDataset`` with
 ``StratifiedKRepeatSampler``): the PickScore, OCR and GenEval train prompts in equal shares per step. It is a list of
-:class:`~marble_trl.sources.PromptSource` specs, mixed by the ``source_ratios`` machinery like any ``dataset_mixture``.
+:class:`~marble_trl.data.sources.PromptSource` specs, mixed by the ``source_ratios`` machinery like any ``dataset_mixture``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .distributed import copy_full_, full_tensor, gathered, is_fsdp_module, reshard
+from ..distributed import copy_full_, full_tensor, gathered, is_fsdp_module, reshard
 
 TRAIN_ADAPTER = "default"
 OLD_ADAPTER = "old"
@@ -204,7 +204,7 @@ class OldPolicy:
             return
         from safetensors.torch import load_file
 
-        from .artifacts import lora_key
+        from ..artifacts import lora_key
 
         state = load_file(str(path))
         self.master = {name: state[lora_key(name, OLD_ADAPTER)].float().to(p.device) for name, p in old.items()}

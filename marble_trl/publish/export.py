@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .artifacts import (
+from ..artifacts import (
     EXPORT_CONFIG_FILE,
     LORA_FILE,
     LORA_KEY_PREFIX,
@@ -33,15 +33,15 @@ from .artifacts import (
     PEFT_WEIGHTS_FILE,
     SAMPLES_DIR,
 )
-from .checkpoint import checksum_mismatches, read_manifest
+from ..evaluation.samples import save_samples
+from ..models.sd3 import save_sd3_lora
+from ..persistence.checkpoint import checksum_mismatches, read_manifest
 from .hub import (
     card_info_from_checkpoint,
     read_export_config,
     write_export_config,
     write_model_card,
 )
-from .models.sd3 import save_sd3_lora
-from .samples import save_samples
 
 FORMATS = ("diffusers", "peft")
 
@@ -112,8 +112,8 @@ def generate_images(
     ``lora`` (``load_lora_weights``). Unset settings come from the LoRA folder's ``marble_trl.json`` (the training
     sampler), else the pipeline's defaults; one generator seeded with ``seed`` for the whole batch. ``tiny_seed``
     (model ``"tiny"``) defaults to the seed the LoRA folder records, else 0."""
-    from .models import load_model
-    from .rollout import make_scheduler
+    from ..models import load_model
+    from ..rollout.solvers import make_scheduler
 
     settings = read_sampling_settings(lora)
     if tiny_seed is None:
@@ -169,8 +169,8 @@ def slug(text: str, limit: int = 40) -> str:
 def generate_to_folder(model: str, prompts: list[str], output: str | os.PathLike, **kwargs) -> list[Path]:
     """:func:`generate_images`, written as ``output/000-<prompt>.png`` ... (videos: ``.mp4`` or ``.gif``) plus
     ``output/prompts.json``."""
-    from .rewards.images import to_pil
-    from .samples import write_video
+    from ..evaluation.samples import write_video
+    from ..rewards.images import to_pil
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)

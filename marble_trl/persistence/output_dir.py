@@ -30,7 +30,7 @@ from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .artifacts import EXPORT_CONFIG_FILE, LOCK_FILE, LORA_FILE
+from ..artifacts import EXPORT_CONFIG_FILE, LOCK_FILE, LORA_FILE
 
 logger = logging.getLogger(__name__)
 

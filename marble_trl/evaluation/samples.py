@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from .artifacts import SAMPLES_DIR
-from .rewards.images import to_pil
-from .rewards.video import still_frames
+from ..artifacts import SAMPLES_DIR
+from ..rewards.images import to_pil
+from ..rewards.video import still_frames
 
 logger = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ def score_images(
 ) -> list[dict[str, float | None]] | None:
     """Per-image ``{reward: score}`` (``None``: not applicable) for captions; ``None`` (with a warning) when a
     reward fails: a caption is not worth failing a finished run for."""
-    from .rewards import score_rewards
+    from ..rewards import score_rewards
 
     try:
         values = score_rewards(list(reward_funcs), prompts, images, columns or {}, list(names))

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .distributed import is_dtensor
+from ..distributed import non_finite_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -172,17 +172,3 @@ class NonFiniteGuard(TrainerCallback):
             self.total,
             self.max_skips,
         )
-
-
-def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Names of the tensors holding a NaN or an infinity. FSDP2 shards (``DTensor``) are checked on every process
-    with one all-reduce, so every process gets the same answer (a DTensor's own ``isfinite().all()`` is a pending
-    partial reduction, which ``bool()`` reads as this process's part alone): every process must call this then."""
-    names = [n for n, t in tensors.items() if t.is_floating_point()]
-    local = [t.to_local() if is_dtensor(t) else t for t in (tensors[n] for n in names)]
-    finite = torch.tensor([bool(torch.isfinite(t).all()) for t in local], dtype=torch.float32)
-    sharded = next((tensors[n] for n in names if is_dtensor(tensors[n])), None)
-    if sharded is not None:
-        finite = finite.to(local[0].device)
-        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN, group=sharded.device_mesh.get_group())
-    return [n for n, ok in zip(names, finite.tolist()) if not ok]

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._version import __version__
-from .artifacts import (
+from .._version import __version__
+from ..artifacts import (
     BALANCER_FILE,
     EXPORT_CONFIG_FILE,
     MANIFEST_FILE,
@@ -31,8 +31,8 @@ from .artifacts import (
     SAMPLES_DIR,
     TRAINER_STATE_FILE,
 )
-from .checkpoint import read_manifest
-from .models.tiny import is_tiny
+from ..models.tiny import is_tiny
+from ..persistence.checkpoint import read_manifest
 
 CARD_TAGS = ["diffusers", "lora", "text-to-image", "trl", "marble", "diffusion-nft"]
 
@@ -208,7 +208,7 @@ def reward_summary(info: CardInfo) -> list[dict[str, Any]]:
 
 def coefficient_summary(info: CardInfo, max_rows: int = 8) -> dict[str, Any] | None:
     """MARBLE's coefficients: final alpha_bar, the range of alpha* over refreshes, and a thinned trajectory."""
-    from .balance.registry import BALANCER_AGGREGATIONS
+    from ..balance.registry import BALANCER_AGGREGATIONS
 
     if info.aggregation not in BALANCER_AGGREGATIONS:
         return None
@@ -283,7 +283,7 @@ def _usage_snippet(info: CardInfo) -> str:
     steps = settings["num_inference_steps"] or 40
     res = settings["resolution"]
     size = f", height={res}, width={res}" if res else ""
-    from .models.family import family_of_pipeline_class
+    from ..models.family import family_of_pipeline_class
 
     family = family_of_pipeline_class(info.pipeline_class)
     guidance = "".join(f", {k}={_fmt(v) if isinstance(v, float) else repr(v)}"

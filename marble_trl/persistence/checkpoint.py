@@ -38,16 +38,16 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .artifacts import (
+from ..artifacts import (
     MANIFEST_FILE,
     MANIFEST_FORMAT,
     MANIFEST_VERSION,
     STAGING_PREFIX,
     lora_key,
 )
-from .data import GroupSampler
-from .distributed import copy_full_, full_tensor
-from .lora import lora_parameters
+from ..data.prompts import GroupSampler
+from ..distributed import copy_full_, full_tensor
+from ..policy.lora import lora_parameters
 
 logger = logging.getLogger(__name__)
 
