@@ -120,7 +120,8 @@ def main() -> None:
         proc, url = start_process_server(a, token)
         server = None
     else:
-        from marble_trl.rewards.serve import RewardServer, ServeLimits
+        from marble_trl.rewards.serve import RewardServer
+        from marble_trl.rewards.serve_protocol import ServeLimits
 
         server = RewardServer(reward, token=token, limits=ServeLimits(max_images=max(256, a.batch_size))).start()
         proc, url = None, server.url

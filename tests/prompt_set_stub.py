@@ -3,7 +3,7 @@
 
 :func:`synthetic_files` writes small files in each set's format; :func:`patch_registry` points every registry entry at
 them (their SHA-256, size and git object id, and optionally a URL); :func:`install_synthetic` does both and installs
-the files into a cache folder (``MARBLE_TRL_CACHE``) with the real :func:`marble_trl.data.prompt_sets.install`.
+the files into a cache folder (``MARBLE_TRL_CACHE``) with the real :func:`marble_trl.data.prompt_files.install`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from marble_trl.data import prompt_sets
+from marble_trl.data import prompt_files, prompt_sets
 
 # Rows of each set: plain prompts, quoted text (OCR applies), GenEval metadata (a position given as [str, int]).
 TEXT = {
@@ -81,7 +81,7 @@ def patch_registry(monkeypatch, files: dict[str, Path], base_url: str | None = N
             sha256=hashlib.sha256(data).hexdigest(),
             size=len(data),
             rows=len(data.splitlines()),
-            git_blob=prompt_sets.git_blob_id(data),
+            git_blob=prompt_files.git_blob_id(data),
             url=f"{base_url}/{name}/{entry.filename}" if base_url else entry.url,
         )
         monkeypatch.setitem(prompt_sets.PROMPT_SETS, name, patched)
@@ -94,5 +94,5 @@ def install_synthetic(monkeypatch, folder: Path) -> Path:
     files = synthetic_files(folder / "files")
     patch_registry(monkeypatch, files)
     for name, file in files.items():
-        prompt_sets.install(name, file)
+        prompt_files.install(name, file)
     return cache

@@ -1,5 +1,6 @@
 """The package's layering (CONTRIBUTING.md, "The map"): no import circle, no lower module importing the trainer, no
-module over 500 lines. Read from the source with ast, so a function-local import counts like a top-level one."""
+module over 400 lines (the config dataclass aside). Read from the source with ast, so a function-local import counts
+like a top-level one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "marble_trl"
-MAX_LINES = 500
+MAX_LINES = 400
 # The modules that use the trainer (a higher layer than it): the package's front door, the commands, the benchmark,
 # and the preflight's steps that run the trainer constructor's checks (marble-trl check).
 TRAINER_USERS = {"marble_trl", "marble_trl.nft_trainer", "marble_trl.commands.train", "marble_trl.shapesbench.bench",
@@ -132,7 +133,7 @@ def test_no_lower_module_imports_the_trainer():
 CONFIG_MODULE = "marble_trl.nft_config"
 
 
-def test_no_module_over_500_lines():
+def test_no_module_over_400_lines():
     sizes = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in _modules().items()}
     big = {name: n for name, n in sizes.items() if n > MAX_LINES and name != CONFIG_MODULE}
     assert not big, f"modules over {MAX_LINES} lines (split them by what they hold): {big}"

@@ -10,14 +10,9 @@ from diffusers import SD3Transformer2DModel
 from peft import LoraConfig
 from torch import nn
 
-from marble_trl.balance.engines import (
-    GradientEngine,
-    ReferenceGradientEngine,
-    TwoStreamGradientEngine,
-    find_unsupported_params,
-    make_gradient_engine,
-    unflatten,
-)
+from marble_trl.balance.engines import GradientEngine, ReferenceGradientEngine, make_gradient_engine
+from marble_trl.balance.gradient_buffers import unflatten
+from marble_trl.balance.two_stream import TwoStreamGradientEngine, find_unsupported_params
 from marble_trl.models import predict_velocity
 from marble_trl.policy.nft import nft_loss_terms
 

@@ -16,8 +16,10 @@ from tiny import brightness, redness
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
 from marble_trl.cli import main
-from marble_trl.evaluation.run import generate_eval_images, sample_seed, summarize_scores
-from marble_trl.evaluation.samples import GAP, LABEL_WIDTH, MIN_CELL, PAD, caption_font, line_height
+from marble_trl.evaluation.images import generate_eval_images, sample_seed
+from marble_trl.evaluation.results import summarize_scores
+from marble_trl.evaluation.samples import GAP, LABEL_WIDTH, MIN_CELL, PAD
+from marble_trl.evaluation.text_layout import caption_font, line_height
 from marble_trl.policy.lora import TRAIN_ADAPTER, lora_parameters
 from marble_trl.rollout.solvers import make_scheduler
 

@@ -382,7 +382,7 @@ def test_a_column_changing_type_between_rows_is_warned_about_naming_the_file_and
     path.write_text(
         '{"prompt": "a cat", "count": 2, "include": null}\n{"prompt": "a dog", "count": "two", "include": [1]}\n'
     )
-    with caplog.at_level("WARNING", logger="marble_trl.data.sources"):
+    with caplog.at_level("WARNING", logger="marble_trl.data.table_files"):
         dataset = load_source(str(path))
     assert dataset["count"] == [2, "two"]
     assert "mixed.jsonl: column 'count' holds values of several types: int (first at row 0), str (first at row 1)" in (

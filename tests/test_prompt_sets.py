@@ -16,6 +16,7 @@ import pytest
 from prompt_set_stub import GENEVAL, TEXT, install_synthetic, patch_registry, synthetic_files
 
 from marble_trl.cli import main
+from marble_trl.data import prompt_files as pc
 from marble_trl.data import prompt_sets as ps
 from marble_trl.data.prompts import GroupSampler
 from marble_trl.data.sources import (
@@ -64,10 +65,10 @@ def server(tmp_path, monkeypatch):
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     patch_registry(monkeypatch, files, base_url=f"http://127.0.0.1:{httpd.server_address[1]}")
-    for variable in ps.OFFLINE_VARIABLES:
+    for variable in pc.OFFLINE_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(ps.time, "sleep", lambda s: None)  # retries without waiting
+    monkeypatch.setattr(pc.time, "sleep", lambda s: None)  # retries without waiting
     yield httpd
     httpd.shutdown()
     httpd.server_close()
@@ -102,20 +103,20 @@ def test_registry_pins_every_set_to_a_commit_with_digests():
 
 
 def test_git_blob_id_is_gits():
-    assert ps.git_blob_id(b"") == "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"  # `git hash-object /dev/null`
-    assert ps.git_blob_id(b"hello\n") == "ce013625030ba8dba906f756967f9e9ca394464a"
+    assert pc.git_blob_id(b"") == "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"  # `git hash-object /dev/null`
+    assert pc.git_blob_id(b"hello\n") == "ce013625030ba8dba906f756967f9e9ca394464a"
 
 
 def test_cache_location(monkeypatch, tmp_path):
     monkeypatch.delenv("MARBLE_TRL_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     entry = ps.PROMPT_SETS["pickscore"]
-    assert ps.cached_path(entry) == tmp_path / "hf" / "marble_trl" / "datasets" / "pickscore" / entry.sha256[:16] / (
+    assert pc.cached_path(entry) == tmp_path / "hf" / "marble_trl" / "datasets" / "pickscore" / entry.sha256[:16] / (
         "train.txt"
     )
     monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / "mine"))
     assert (
-        ps.cached_path(ps.PROMPT_SETS["ocr"]).parent == tmp_path / "mine" / "datasets" / "ocr" / "git-3ce0521b77b0a903"
+        pc.cached_path(ps.PROMPT_SETS["ocr"]).parent == tmp_path / "mine" / "datasets" / "ocr" / "git-3ce0521b77b0a903"
     )
 
 
@@ -123,12 +124,12 @@ def test_cache_location(monkeypatch, tmp_path):
 
 
 def test_every_set_whose_file_was_read_is_shipped_with_its_licence():
-    shipped = {name for name, entry in ps.PROMPT_SETS.items() if ps.shipped_path(entry) is not None}
+    shipped = {name for name, entry in ps.PROMPT_SETS.items() if pc.shipped_path(entry) is not None}
     assert shipped == {name for name, entry in ps.PROMPT_SETS.items() if entry.sha256 is not None}
     assert shipped == {"pickscore", "pickscore_test", "ocr_test", "geneval_test", "drawbench"}
-    assert {p.name for p in ps.SHIPPED.glob("*.xz")} == {ps.shipped_path(ps.PROMPT_SETS[n]).name for n in shipped}
-    assert (ps.SHIPPED / "LICENSE.flow_grpo").read_text().startswith("MIT License")
-    assert "Apache License" in (ps.SHIPPED / "LICENSE.DiffusionNFT").read_text()
+    assert {p.name for p in pc.SHIPPED.glob("*.xz")} == {pc.shipped_path(ps.PROMPT_SETS[n]).name for n in shipped}
+    assert (pc.SHIPPED / "LICENSE.flow_grpo").read_text().startswith("MIT License")
+    assert "Apache License" in (pc.SHIPPED / "LICENSE.DiffusionNFT").read_text()
     # the wheel carries them: pyproject's package data names the folder's files
     package_data = (ROOT / "pyproject.toml").read_text()
     for pattern in ('"data/prompt_data/*.xz"', '"data/prompt_data/LICENSE.*"', '"data/prompt_data/README.md"'):
@@ -139,14 +140,14 @@ def test_every_set_whose_file_was_read_is_shipped_with_its_licence():
 def test_a_shipped_set_loads_offline_with_its_recorded_digests(name, monkeypatch, tmp_path):
     monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("MARBLE_TRL_OFFLINE", "1")
-    monkeypatch.setattr(ps, "_fetch", lambda *a: pytest.fail("a shipped set must not touch the network"))
+    monkeypatch.setattr(pc, "_fetch", lambda *a: pytest.fail("a shipped set must not touch the network"))
     entry = ps.PROMPT_SETS[name]
-    assert ps.available_offline(entry) and not ps.cached_path(entry).exists()
-    path = ps.local_file(name)
-    assert path == ps.cached_path(entry)
+    assert pc.available_offline(entry) and not pc.cached_path(entry).exists()
+    path = pc.local_file(name)
+    assert path == pc.cached_path(entry)
     data = path.read_bytes()
     assert hashlib.sha256(data).hexdigest() == entry.sha256 and len(data) == entry.size
-    assert ps.git_blob_id(data) == entry.git_blob
+    assert pc.git_blob_id(data) == entry.git_blob
     rows = load_source(name)
     assert len(rows) == entry.rows and all(isinstance(r["prompt"], str) and r["prompt"] for r in rows)
     assert set(entry.columns) <= set(rows.column_names)
@@ -158,17 +159,17 @@ def test_a_damaged_shipped_copy_is_refused_and_nothing_is_cached(monkeypatch, tm
     entry = ps.PROMPT_SETS["drawbench"]
     shipped = tmp_path / "shipped"
     shipped.mkdir()
-    good = lzma.decompress(ps.shipped_path(entry).read_bytes())
-    (shipped / ps.shipped_path(entry).name).write_bytes(lzma.compress(good.replace(b"giraffe", b"gorilla", 1)))
-    monkeypatch.setattr(ps, "SHIPPED", shipped)
+    good = lzma.decompress(pc.shipped_path(entry).read_bytes())
+    (shipped / pc.shipped_path(entry).name).write_bytes(lzma.compress(good.replace(b"giraffe", b"gorilla", 1)))
+    monkeypatch.setattr(pc, "SHIPPED", shipped)
     monkeypatch.setenv("MARBLE_TRL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("MARBLE_TRL_OFFLINE", "1")
-    with pytest.raises(ps.PromptSetError, match="expected SHA-256 " + entry.sha256):
-        ps.local_file("drawbench")
+    with pytest.raises(pc.PromptSetError, match="expected SHA-256 " + entry.sha256):
+        pc.local_file("drawbench")
     assert _cache_files(tmp_path / "cache") == []
-    (shipped / ps.shipped_path(entry).name).write_bytes(b"not xz at all")  # a truncated or overwritten file
-    with pytest.raises(ps.PromptSetError, match="is damaged"):
-        ps.local_file("drawbench")
+    (shipped / pc.shipped_path(entry).name).write_bytes(b"not xz at all")  # a truncated or overwritten file
+    with pytest.raises(pc.PromptSetError, match="is damaged"):
+        pc.local_file("drawbench")
     assert _cache_files(tmp_path / "cache") == []
 
 
@@ -177,16 +178,16 @@ def test_a_damaged_shipped_copy_is_downloaded_instead_when_online(server, tmp_pa
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     (shipped / f"drawbench-{entry.sha256[:16]}.txt.xz").write_bytes(b"damaged")
-    monkeypatch.setattr(ps, "SHIPPED", shipped)
-    path = ps.local_file("drawbench")
-    assert ps.verify(entry, path) == entry.sha256 and server.requests == ["/drawbench/test.txt"]
+    monkeypatch.setattr(pc, "SHIPPED", shipped)
+    path = pc.local_file("drawbench")
+    assert pc.verify(entry, path) == entry.sha256 and server.requests == ["/drawbench/test.txt"]
 
 
 # Download, verification, offline use ---------------------------------------------------------------------------------
 
 
 def test_download_verifies_caches_and_is_reused(server, tmp_path):
-    path = ps.local_file("pickscore")
+    path = pc.local_file("pickscore")
     entry = ps.PROMPT_SETS["pickscore"]
     assert path == tmp_path / "cache" / "datasets" / "pickscore" / entry.sha256[:16] / "train.txt"
     assert hashlib.sha256(path.read_bytes()).hexdigest() == entry.sha256
@@ -197,7 +198,7 @@ def test_download_verifies_caches_and_is_reused(server, tmp_path):
 
 
 def test_cached_copy_is_used_offline_without_network(server, monkeypatch):
-    ps.local_file("geneval")
+    pc.local_file("geneval")
     server.shutdown()
     server.server_close()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -209,12 +210,12 @@ def test_cached_copy_is_used_offline_without_network(server, monkeypatch):
 def test_offline_without_a_cached_copy_says_how_to_place_it(server, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     entry = ps.PROMPT_SETS["ocr_test"]
-    with pytest.raises(ps.PromptSetError) as err:
+    with pytest.raises(pc.PromptSetError) as err:
         load_source("ocr_test")
     message = str(err.value)
     for part in ("'ocr_test'", entry.url, entry.sha256, "HF_HUB_OFFLINE=1", "marble-trl datasets download ocr_test"):
         assert part in message, part
-    assert "--from FILE" in message and str(ps.cached_path(entry).parent) in message
+    assert "--from FILE" in message and str(pc.cached_path(entry).parent) in message
     assert server.requests == []
 
 
@@ -222,24 +223,24 @@ def test_a_set_without_a_recorded_sha256_is_checked_by_its_git_blob(server, monk
     entry = ps.PROMPT_SETS["ocr"]
     unrecorded = ps.PromptSet(**{**entry.__dict__, "sha256": None, "size": None, "rows": None})
     monkeypatch.setitem(ps.PROMPT_SETS, "ocr", unrecorded)
-    path = ps.local_file("ocr")
+    path = pc.local_file("ocr")
     assert path.parent.name == f"git-{entry.git_blob[:16]}"
     server.files["/ocr/train.txt"] = b'a sign that says "NOT THE FILE"\n'
     path.unlink()
-    with pytest.raises(ps.PromptSetError, match=f"expected git blob id {entry.git_blob}"):
-        ps.local_file("ocr")
+    with pytest.raises(pc.PromptSetError, match=f"expected git blob id {entry.git_blob}"):
+        pc.local_file("ocr")
     assert not path.exists()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ps.PromptSetError, match="SHA-256 not recorded; git blob id"):
-        ps.local_file("ocr")
+    with pytest.raises(pc.PromptSetError, match="SHA-256 not recorded; git blob id"):
+        pc.local_file("ocr")
 
 
 def test_a_file_with_another_hash_is_refused_and_not_kept(server, tmp_path):
     entry = ps.PROMPT_SETS["drawbench"]
     bad = b"x" * entry.size  # the right size, another content
     server.files["/drawbench/test.txt"] = bad
-    with pytest.raises(ps.PromptSetError) as err:
-        ps.local_file("drawbench")
+    with pytest.raises(pc.PromptSetError) as err:
+        pc.local_file("drawbench")
     message = str(err.value)
     assert f"expected SHA-256 {entry.sha256}" in message
     assert f"got {hashlib.sha256(bad).hexdigest()}" in message
@@ -248,8 +249,8 @@ def test_a_file_with_another_hash_is_refused_and_not_kept(server, tmp_path):
 
 def test_a_partial_download_is_never_cached(server, tmp_path):
     server.truncated.add("/geneval_test/test_metadata.jsonl")
-    with pytest.raises(ps.PromptSetError):
-        ps.local_file("geneval_test")
+    with pytest.raises(pc.PromptSetError):
+        pc.local_file("geneval_test")
     assert len(server.requests) == 3  # retried, then given up
     assert _cache_files(tmp_path / "cache") == []
 
@@ -259,24 +260,24 @@ def test_an_interrupted_download_leaves_no_file(server, tmp_path, monkeypatch):
         out.write(b"a red apple")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ps, "_fetch", half_then_interrupt)
+    monkeypatch.setattr(pc, "_fetch", half_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
-        ps.local_file("pickscore")
+        pc.local_file("pickscore")
     assert _cache_files(tmp_path / "cache") == []
 
 
 def test_a_corrupt_cached_copy_is_replaced(server, tmp_path):
-    path = ps.local_file("pickscore_test")
+    path = pc.local_file("pickscore_test")
     path.write_text("edited by hand\n")
-    assert ps.local_file("pickscore_test") == path
+    assert pc.local_file("pickscore_test") == path
     assert path.read_bytes() == server.files["/pickscore_test/test.txt"]
     assert len(server.requests) == 2
 
 
 def test_an_unreachable_server_names_the_url_and_the_manual_route(server):
     del server.files["/ocr_test/test.txt"]
-    with pytest.raises(ps.PromptSetError, match="could not download .*404.*--from FILE"):
-        ps.local_file("ocr_test")
+    with pytest.raises(pc.PromptSetError, match="could not download .*404.*--from FILE"):
+        pc.local_file("ocr_test")
     assert len(server.requests) == 1  # a 404 is not retried
 
 
@@ -284,12 +285,12 @@ def test_install_checks_a_file_placed_by_hand(server, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     wrong = tmp_path / "wrong.txt"
     wrong.write_text("not the prompts\n")
-    with pytest.raises(ps.PromptSetError, match="expected size"):
-        ps.install("pickscore", wrong)
+    with pytest.raises(pc.PromptSetError, match="expected size"):
+        pc.install("pickscore", wrong)
     assert _cache_files(tmp_path / "cache") == []
     right = tmp_path / "train.txt"
     right.write_bytes(server.files["/pickscore/train.txt"])
-    assert ps.install("pickscore", right) == ps.cached_path(ps.PROMPT_SETS["pickscore"])
+    assert pc.install("pickscore", right) == pc.cached_path(ps.PROMPT_SETS["pickscore"])
     assert load_source("pickscore")["prompt"] == TEXT["pickscore"]
     assert server.requests == []
 
@@ -402,7 +403,7 @@ def test_datasets_download_fetches_a_mixtures_sets(server, tmp_path, capsys):
     out = capsys.readouterr().out
     assert sorted(server.requests) == ["/geneval/train_metadata.jsonl", "/ocr/train.txt", "/pickscore/train.txt"]
     for name in ("pickscore", "ocr", "geneval"):
-        assert f"sha256 {ps.PROMPT_SETS[name].sha256}" in out and str(ps.cached_path(ps.PROMPT_SETS[name])) in out
+        assert f"sha256 {ps.PROMPT_SETS[name].sha256}" in out and str(pc.cached_path(ps.PROMPT_SETS[name])) in out
     assert main(["datasets", "download", "pickscore"]) == 0  # cached: nothing fetched
     assert len(server.requests) == 3
     assert main(["datasets", "download", "pickscore", "--force"]) == 0
@@ -419,7 +420,7 @@ def test_datasets_download_offline_and_from_a_file(server, tmp_path, monkeypatch
     copy = tmp_path / "test.txt"
     copy.write_bytes(server.files["/drawbench/test.txt"])
     assert main(["datasets", "download", "drawbench", "--from", str(copy)]) == 0
-    assert ps.cached_path(ps.PROMPT_SETS["drawbench"]).read_bytes() == copy.read_bytes()
+    assert pc.cached_path(ps.PROMPT_SETS["drawbench"]).read_bytes() == copy.read_bytes()
     assert server.requests == []
     with pytest.raises(SystemExit, match="unknown name"):
         main(["datasets", "download", "pickscor"])

@@ -22,8 +22,9 @@ from PIL import Image
 
 from marble_trl.cli import main
 from marble_trl.models import build_tiny_sd3_pipeline
+from marble_trl.publish.card import CARD_TAGS, render_model_card
 from marble_trl.publish.export import generate_images
-from marble_trl.publish.hub import CARD_TAGS, card_info_from_checkpoint, render_model_card
+from marble_trl.publish.run_info import card_info_from_checkpoint
 from marble_trl.rewards.images import from_pil
 from marble_trl.rollout.solvers import make_scheduler
 

@@ -217,10 +217,10 @@ def test_score_rewards_reports_time_per_reward(monkeypatch):
     # A fake clock: on a loaded machine a real one can charge the "fast" reward more than the "slow" one's sleep.
     import types
 
-    from marble_trl.rewards import base
+    from marble_trl.rewards import scoring
 
     now = [100.0]
-    monkeypatch.setattr(base, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(scoring, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
     def slow(prompts, images, **_):
         now[0] += 2.5

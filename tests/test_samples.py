@@ -17,16 +17,12 @@ from marble_trl.evaluation.samples import (
     GAP,
     LABEL_WIDTH,
     MIN_CELL,
-    caption_font,
     captioned_grid,
     comparison_sheet,
-    line_height,
     save_before_after,
     score_images,
-    score_lines,
-    text_width,
-    wrap_text,
 )
+from marble_trl.evaluation.text_layout import caption_font, line_height, score_lines, text_width, wrap_text
 
 LONG = "a red apple on a wooden table in the soft morning light, highly detailed photograph, 85 mm lens, bokeh"
 PROMPTS = [LONG, "a blue car", "a green frog"]
@@ -170,7 +166,7 @@ def test_score_images_scores_every_image_and_survives_a_failing_reward(caplog):
 
 def test_reward_chart_is_written_or_skipped_with_a_note(tmp_path, monkeypatch, caplog):
     pytest.importorskip("matplotlib")
-    from marble_trl.evaluation.run import save_reward_chart
+    from marble_trl.evaluation.results import save_reward_chart
 
     results = [
         {"model": "base", "r/mean": 0.2, "r/sem": 0.05, "s/mean": -1.0, "s/sem": 0.1},
@@ -180,7 +176,7 @@ def test_reward_chart_is_written_or_skipped_with_a_note(tmp_path, monkeypatch, c
     chart = Image.open(path)
     assert chart.width > chart.height > 100 and np.asarray(chart.convert("L")).min() < 64
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    with caplog.at_level(logging.WARNING, logger="marble_trl.evaluation.run"):
+    with caplog.at_level(logging.WARNING, logger="marble_trl.evaluation.results"):
         assert save_reward_chart(results, ["r"], tmp_path / "none.png") is None
     assert "matplotlib is not installed" in caplog.text and not (tmp_path / "none.png").exists()
 

@@ -32,7 +32,8 @@ from PIL import Image
 from marble_trl.commands.serve_reward import serve_reward_command, serve_reward_parser
 from marble_trl.rewards import get_reward, score_rewards, serve
 from marble_trl.rewards.http import HTTPReward, HTTPRewardError, encode_images
-from marble_trl.rewards.serve import RewardServer, ServeLimits, bind_warning
+from marble_trl.rewards.serve import RewardServer, bind_warning
+from marble_trl.rewards.serve_protocol import ServeLimits
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -607,8 +608,9 @@ def test_command_line_errors(capsys):
             serve_reward_command(["--reward", "brightness", "--port", str(taken.getsockname()[1])])
 
 
-def test_the_server_never_unpickles():
-    tree = ast.parse((ROOT / "marble_trl" / "rewards" / "serve.py").read_text(encoding="utf-8"))
+@pytest.mark.parametrize("module", ["serve.py", "serve_protocol.py"])
+def test_the_server_never_unpickles(module):
+    tree = ast.parse((ROOT / "marble_trl" / "rewards" / module).read_text(encoding="utf-8"))
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not imported & {"pickle", "marshal", "shelve", "dill", "cloudpickle", "joblib"}

@@ -1,6 +1,6 @@
 """``marble-trl datasets list`` / ``marble-trl datasets download [NAME ...] [--from FILE] [--force]``: the named prompt
-sets (:mod:`marble_trl.data.prompt_sets`), their provenance and cache status, and fetching them ahead of a run (e.g. before
-going offline, or on a login node)."""
+sets (:mod:`marble_trl.data.prompt_sets`), their provenance and cache status (:mod:`marble_trl.data.prompt_files`), and
+fetching them ahead of a run (e.g. before going offline, or on a login node)."""
 
 from __future__ import annotations
 
@@ -47,9 +47,10 @@ def _size(n: int | None) -> str:
 
 
 def _list(as_json: bool) -> int:
+    from ..data import prompt_files as pc
     from ..data import prompt_sets as ps
 
-    entries = [ps.describe(e) for e in ps.PROMPT_SETS.values()]
+    entries = [pc.describe(e) for e in ps.PROMPT_SETS.values()]
     mixtures = {name: [dict(s) for s in specs] for name, specs in ps.MIXTURES.items()}
     if as_json:
         for entry in entries:
@@ -57,7 +58,7 @@ def _list(as_json: bool) -> int:
         for name, sources in mixtures.items():
             print(json.dumps({"mixture": name, "sources": sources}))
         return 0
-    print(f"[marble-trl] prompt sets (cache: {ps.cache_root() / 'datasets'}; downloads off: {ps.offline() or 'no'})")
+    print(f"[marble-trl] prompt sets (cache: {pc.cache_root() / 'datasets'}; downloads off: {pc.offline() or 'no'})")
     width = max(map(len, [*ps.PROMPT_SETS, *ps.MIXTURES])) + 2
     for e in entries:
         rows = "rows not recorded" if e["rows"] is None else f"{e['rows']:,} prompts"
@@ -78,6 +79,7 @@ def _list(as_json: bool) -> int:
 
 
 def _download(names: list[str], source: str | None, force: bool) -> int:
+    from ..data import prompt_files as pc
     from ..data import prompt_sets as ps
 
     wanted: list[str] = []
@@ -97,15 +99,15 @@ def _download(names: list[str], source: str | None, force: bool) -> int:
         entry = ps.PROMPT_SETS[name]
         try:
             if source is not None:
-                path = ps.install(name, source)
+                path = pc.install(name, source)
             elif force:
-                if ps.offline():
-                    raise ps.PromptSetError(f"Prompt set {name!r}: --force needs downloads ({ps.offline()} is set).")
-                path = ps.download(name)
+                if pc.offline():
+                    raise pc.PromptSetError(f"Prompt set {name!r}: --force needs downloads ({pc.offline()} is set).")
+                path = pc.download(name)
             else:
-                path = ps.local_file(name)
-            sha256 = ps.verify(entry, path)
-        except ps.PromptSetError as err:
+                path = pc.local_file(name)
+            sha256 = pc.verify(entry, path)
+        except pc.PromptSetError as err:
             failed += 1
             print(f"[marble-trl] {name}: FAILED: {err}", file=sys.stderr)
             continue

@@ -14,7 +14,8 @@ import signal
 import threading
 from typing import Any
 
-from ..rewards.serve import TOKEN_ENV, RewardServer, ServeLimits, logger
+from ..rewards.serve import TOKEN_ENV, RewardServer, logger
+from ..rewards.serve_protocol import ServeLimits
 
 
 def _at_least(minimum: float, kind: type = int) -> Any:

@@ -86,7 +86,7 @@ def _offline_sources(script_args, report: Report) -> bool:
         if name == "bundled" or name in SHAPES_SOURCES:
             continue
         if name in PROMPT_SETS:
-            from ..data.prompt_sets import available_offline
+            from ..data.prompt_files import available_offline
 
             if not available_offline(PROMPT_SETS[name]):
                 report.note(

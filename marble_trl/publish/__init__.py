@@ -1,1 +1,2 @@
-"""Publishing: checkpoint -> LoRA folder and images from it (``export.py``), model cards and the Hub (``hub.py``)."""
+"""Publishing: checkpoint -> LoRA folder and images from it (``export.py``), the model card (``card.py``), a run
+folder's ``marble_trl.json`` (``run_info.py``) and the Hub (``hub.py``)."""

@@ -36,12 +36,8 @@ from ..artifacts import (
 from ..evaluation.samples import save_samples
 from ..models.sd3 import save_sd3_lora
 from ..persistence.checkpoint import checksum_mismatches, read_manifest
-from .hub import (
-    card_info_from_checkpoint,
-    read_export_config,
-    write_export_config,
-    write_model_card,
-)
+from .card import write_model_card
+from .run_info import card_info_from_checkpoint, read_export_config, write_export_config
 
 FORMATS = ("diffusers", "peft")
 

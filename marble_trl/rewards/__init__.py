@@ -13,10 +13,10 @@ from .base import (
     finite_numbers,
     is_async_reward,
     reward_name,
-    score_rewards,
 )
 from .images import from_pil, to_pil, to_uint8_numpy
 from .registry import available_rewards, get_reward, register_reward, resolve_reward_funcs
+from .scoring import score_rewards
 
 __all__ = [
     "TRAINER_KWARGS",

@@ -4,7 +4,7 @@
 ``{"scores": [float | null, ...]}``; ``GET /health`` answers 200 once the reward is loaded, 503 while it warms up. The
 reward gets what the trainer would give it: ``prompts``, ``images`` as a float ``[B, 3, H, W]`` tensor in ``[0, 1]``
 (the files' uint8 pixels / 255, on the CPU) and every metadata column as a keyword argument; it is called through
-:func:`~marble_trl.rewards.base.score_rewards` (the trainer's validation; ``None`` -> ``null``), under one lock.
+:func:`~marble_trl.rewards.scoring.score_rewards` (the trainer's validation; ``None`` -> ``null``), under one lock.
 
 Only the standard library's ``http.server``, JSON (nothing is unpickled) and Pillow restricted to PNG and JPEG.
 Limits: the body (``Content-Length`` required; over ``max_request_bytes`` -> 413 before the body is read), the number
@@ -14,13 +14,12 @@ read, so a client trickling bytes cannot hold a worker), the requests in flight 
 bodies are in memory) and the open connections (``max_connections``); more get 503, which ``http_reward`` retries.
 Every refusal is a JSON ``{"error": ...}`` naming the problem; a reward that raises gets 500 with its message and the
 server goes on serving. One request per connection (HTTP/1.0 framing). Images of different sizes in one request are
-refused (400): the reward takes one ``[B, 3, H, W]`` tensor, as the trainer's batches are.
+refused (400): the reward takes one ``[B, 3, H, W]`` tensor, as the trainer's batches are. Reading a request's body
+(the limits, the JSON, the images) is :mod:`marble_trl.rewards.serve_protocol`; the server and its handler are here.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hmac
 import io
 import ipaddress
@@ -32,45 +31,21 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 
-from .base import RESERVED_NAMES, RewardError, check_reward_signature, reward_name, score_rewards
+from .base import RewardError, check_reward_signature, reward_name
+from .scoring import score_rewards
+from .serve_protocol import RequestError, ServeLimits, parse_request
 
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "MARBLE_REWARD_TOKEN"
-FORMATS = ("PNG", "JPEG")
 LINGER_S = 5.0  # after refusing a body unread, how long to discard it so that the client can read the refusal
 _LENGTH = re.compile(r"[0-9]{1,19}")
-
-
-@dataclass(frozen=True)
-class ServeLimits:
-    """What one request may cost the server (the ``--max_*`` and ``--client_timeout`` options)."""
-
-    max_request_bytes: int = 256 * 2**20
-    max_images: int = 256
-    max_image_pixels: int = 4096 * 4096
-    max_total_pixels: int = 2**27  # 128 Mpx: 1.5 GiB as the reward's float32 tensor
-    client_timeout: float = 60.0
-    max_concurrent_requests: int = 16  # bodies being read, waiting for the reward or scored (memory)
-    max_connections: int = 256  # open connections, each a thread (idle ones end at client_timeout)
-
-
-class RequestError(Exception):
-    """A request the server refuses: an HTTP status and a message for the client."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 def is_loopback(host: str) -> bool:
@@ -96,88 +71,6 @@ def bind_warning(host: str, token: str | None) -> str | None:
         f"binding {host or 'every interface'!r} without a token: anyone who can reach this port can use the reward "
         f"(and its GPU). Set ${TOKEN_ENV} (or --token), or bind 127.0.0.1 and reach it through an SSH tunnel."
     )
-
-
-def decode_images(encoded: list[Any], limits: ServeLimits) -> torch.Tensor:
-    """base64 PNG/JPEG files -> ``[B, 3, H, W]`` float32 in ``[0, 1]`` (uint8 / 255), sizes checked before decoding."""
-    opened, size, total = [], None, 0
-    for i, text in enumerate(encoded):
-        if not isinstance(text, str):
-            raise RequestError(400, f"images[{i}] is a {type(text).__name__}; images must be base64 strings.")
-        try:
-            raw = base64.b64decode(text, validate=True)
-        except (binascii.Error, ValueError) as err:
-            raise RequestError(
-                400, f"images[{i}] is not valid base64 ({err}); send the file's bytes, without a 'data:' prefix."
-            ) from err
-        try:
-            image = Image.open(io.BytesIO(raw), formats=FORMATS)  # reads the header only
-        except Image.DecompressionBombError as err:
-            raise RequestError(413, f"images[{i}]: {err}") from err
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
-            raise RequestError(400, f"images[{i}] is not a PNG or JPEG file ({err}).") from err
-        w, h = image.size
-        if w * h > limits.max_image_pixels:
-            raise RequestError(
-                413, f"images[{i}] is {w}x{h} = {w * h} pixels, over max_image_pixels = {limits.max_image_pixels}."
-            )
-        if size is not None and image.size != size:
-            raise RequestError(
-                400,
-                f"images[{i}] is {w}x{h} but images[0] is {size[0]}x{size[1]}: one request holds images of one size "
-                "(the reward takes one [B, 3, H, W] tensor); send each size in its own request.",
-            )
-        size, total = image.size, total + w * h
-        if total > limits.max_total_pixels:
-            raise RequestError(
-                413,
-                f"the images hold over max_total_pixels = {limits.max_total_pixels} pixels; send fewer per request.",
-            )
-        opened.append(image)
-    arrays = []
-    for i, image in enumerate(opened):
-        try:
-            arrays.append(np.asarray(image.convert("RGB")))
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-            raise RequestError(400, f"images[{i}] could not be decoded ({err}).") from err
-    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).contiguous().float().div_(255.0)
-
-
-def parse_request(body: bytes, limits: ServeLimits) -> tuple[list[str], torch.Tensor | None, dict[str, list]]:
-    """A request body -> ``(prompts, images, metadata)``; :class:`RequestError` naming what is wrong otherwise."""
-    try:
-        payload = json.loads(body)
-    except (ValueError, RecursionError) as err:  # UnicodeDecodeError is a ValueError; RecursionError: nesting bomb
-        raise RequestError(400, f"the body is not JSON ({type(err).__name__}: {str(err)[:200]}).") from err
-    if not isinstance(payload, dict):
-        raise RequestError(
-            400, f'the body must be a JSON object {{"prompts", "images", "metadata"}}, got a {type(payload).__name__}.'
-        )
-    missing = [key for key in ("prompts", "images") if key not in payload]
-    if missing:
-        raise RequestError(400, f"the body has no {' and no '.join(repr(k) for k in missing)}.")
-    prompts, images, metadata = payload["prompts"], payload["images"], payload.get("metadata") or {}
-    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-        raise RequestError(400, "'prompts' must be a list of strings.")
-    if not isinstance(images, list):
-        raise RequestError(400, "'images' must be a list of base64 strings.")
-    if len(images) > limits.max_images:
-        raise RequestError(
-            413, f"{len(images)} images, over max_images = {limits.max_images}; send fewer per request."
-        )
-    if len(images) != len(prompts):
-        raise RequestError(400, f"{len(images)} images for {len(prompts)} prompts; send one image per prompt.")
-    if not isinstance(metadata, dict):
-        raise RequestError(400, f"'metadata' must be an object of columns, got a {type(metadata).__name__}.")
-    for key, values in metadata.items():
-        if not isinstance(values, list):
-            raise RequestError(400, f"metadata column {key!r} must be a list (one value per sample).")
-        if len(values) != len(prompts):
-            raise RequestError(400, f"metadata column {key!r} has {len(values)} values for {len(prompts)} prompts.")
-    clash = sorted(set(metadata) & {"prompt", *RESERVED_NAMES})
-    if clash:
-        raise RequestError(400, f"metadata columns may not be named {clash}: the server passes those itself.")
-    return prompts, decode_images(images, limits) if images else None, metadata
 
 
 class _DeadlineReader(io.RawIOBase):

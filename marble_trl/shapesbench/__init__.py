@@ -4,7 +4,7 @@
 - :mod:`.scorers`: classical-vision rewards (general: sharpness, compressibility; specialist: color, count, position);
 - :mod:`.pretrain`: the base model, a tiny SD3.5-architecture pipeline pretrained by flow matching, cached;
 - :mod:`.methods`, :mod:`.bench`: the compared training methods and the benchmark runner;
-- :mod:`.report`: Table 1 / Table S1 / Table 2 and plots.
+- :mod:`.report`: Table 1 / Table S1 / Table 2 and plots (:mod:`.plots`), from the run records (:mod:`.records`).
 
 Command line: ``python -m marble_trl.shapesbench {pretrain,run,report}`` (or ``python benchmarks/shapesbench.py``);
 see ``docs/shapesbench.md``.

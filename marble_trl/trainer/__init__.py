@@ -1,5 +1,5 @@
 """The trainer: :class:`MarbleDiffusionNFTTrainer` (``trainer.py``, the transformers/TRL hooks) over its stages:
-``step.py`` (rewards -> advantages -> a typed step plan -> micro-batches), ``session.py`` (one optimizer step's state),
+``rollouts.py`` (a step's rollouts and rewards), ``step.py`` (rewards -> advantages -> a typed step plan -> micro-batches), ``session.py`` (one optimizer step's state),
 ``backward.py`` (one micro-batch's timestep loop) and ``backends.py`` (plain / DDP, DeepSpeed, FSDP2)."""
 
 from .trainer import MarbleDiffusionNFTTrainer

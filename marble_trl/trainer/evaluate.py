@@ -20,7 +20,8 @@ from accelerate.utils import gather_object
 
 from ..data.prompts import check_prompt_dataset
 from ..data.sources import SOURCE_COLUMN
-from ..evaluation.run import generate_eval_images, grid_image, sample_seed, summarize_scores
+from ..evaluation.images import generate_eval_images, grid_image, sample_seed
+from ..evaluation.results import summarize_scores
 from ..persistence.best import selection_metrics
 from ..policy.lora import LoraEMA, use_reference
 from ..rewards import RewardFunc, score_rewards

@@ -22,7 +22,7 @@ import torch
 from transformers.trainer import TRAINER_STATE_NAME
 
 from ..artifacts import TRAINING_ARGS_FILE
-from ..publish.hub import write_export_config
+from ..publish.run_info import write_export_config
 from .checkpointing import (
     apply_changed_hyperparameters,
     load_best_checkpoint,
@@ -77,7 +77,7 @@ class PersistenceHooks:
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None, **card_fields) -> None:
         """Write a diffusers LoRA model card (README.md) and ``marble_trl.json`` to ``output_dir`` (see
-        :mod:`marble_trl.publish.hub`); TRL's card is a language-model card."""
+        :mod:`marble_trl.publish.card`); TRL's card is a language-model card."""
         tags = [tags] if isinstance(tags, str) else tags
         write_trainer_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags, **card_fields)
 

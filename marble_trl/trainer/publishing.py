@@ -1,5 +1,6 @@
-"""The trainer's publishing: its model card and ``marble_trl.json`` (:mod:`marble_trl.publish.hub` renders and writes them),
-sample images for the card, and uploads to the Hub (``push_to_hub``, ``hub_strategy`` pushes of checkpoints)."""
+"""The trainer's publishing: its model card and ``marble_trl.json`` (:mod:`marble_trl.publish.card` and
+:mod:`marble_trl.publish.run_info` render and write them), sample images for the card, and uploads to the Hub
+(``push_to_hub``, ``hub_strategy`` pushes of checkpoints)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,9 @@ from ..evaluation.samples import save_samples
 from ..models import tiny_seed_of
 from ..models.tiny import is_tiny
 from ..persistence.checkpoint import base_model_name
-from ..publish.hub import (
-    CardInfo,
-    hub_api,
-    override_card,
-    recorded_prompts,
-    write_export_config,
-    write_model_card,
-)
+from ..publish.card import CardInfo, override_card, write_model_card
+from ..publish.hub import hub_api, recorded_prompts
+from ..publish.run_info import write_export_config
 
 
 # ------------------------------------------------------------------------------------------------- building CardInfo

@@ -17,7 +17,7 @@ It is a :class:`transformers.Trainer` (through TRL's base), so logging, ``report
 The ``transformers.Trainer`` hooks overridden, and why:
 
 - ``get_batch_samples``: it receives the micro-batches of one optimizer step at once; the rollouts and rewards of the
-  whole step run there (step 1-2), and it returns the micro-batches of rollout data;
+  whole step run there (step 1-2), and it returns the micro-batches of rollout data (:class:`~.rollouts.RolloutHooks`);
 - ``training_step``: the NFT loss over the sampler's timesteps (step 3);
 - ``_get_train_sampler``: whole groups, whole steps (:class:`~marble_trl.data.prompts.GroupSampler`);
 - ``log``: adds the averaged rollout/reward/NFT metrics;
@@ -48,23 +48,19 @@ import torch
 from transformers import TrainerCallback, set_seed
 
 from .._trl import BaseTrainer
-from ..balance import MarbleBalancer
-from ..balance.advantages import collate_advantages
 from ..data.prompts import GroupSampler
-from ..data.sources import SOURCE_COLUMN
 from ..distributed import (
     check_frozen_models_not_partitioned,
     disable_zero3_init,
-    num_train_timesteps,
 )
-from ..models import Conditioning, adapter_for, load_model
+from ..models import adapter_for, load_model
 from ..models.prompt_cache import build_prompt_cache, dataset_prompts, offload_text_encoders
 from ..nft_config import MarbleDiffusionNFTConfig
 from ..persistence.best import RewardHackingCallback
 from ..persistence.checkpoint import SamplerEpochCallback
-from ..policy.lora import TRAIN_ADAPTER, LoraEMA, OldPolicy, add_policy_adapters, lora_parameters, use_old_policy
+from ..policy.lora import TRAIN_ADAPTER, LoraEMA, OldPolicy, add_policy_adapters, lora_parameters
 from ..policy.nft import advantage_to_r, old_policy_decay, param_ema_decay
-from ..rewards import RewardFunc, RewardLogs, check_reward_funcs, score_rewards
+from ..rewards import RewardFunc, check_reward_funcs
 from ..rollout.solvers import make_scheduler
 from ..seeding import keyed_generator
 from .backends import LossSettings, make_backend
@@ -74,8 +70,8 @@ from .console import order_logs, use_compact_console
 from .evaluate import EvaluationHooks
 from .guards import NonFiniteGuard
 from .interruptions import SaveOnSignalCallback
-from .metrics import flush_reward_logs, reward_metrics, save_rollout_grid
 from .persistence import PersistenceHooks
+from .rollouts import RolloutHooks
 from .session import StepHooks, StepSession
 from .setup import (
     check_inputs,
@@ -93,22 +89,16 @@ from .setup import (
 )
 from .step import (
     MicroBatch,
-    encode_prompts_and_negative,
-    gather_rewards,
     global_batch_index,
-    make_micro_batches,
-    plan_step,
-    rollouts,
-    run_together,
 )
-from .trackers import adapt_model_config, log_image
+from .trackers import adapt_model_config
 
 
 def _identity_collator(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return features
 
 
-class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHooks, BaseTrainer):
+class MarbleDiffusionNFTTrainer(RolloutHooks, PersistenceHooks, EvaluationHooks, BalancingHooks, BaseTrainer):
     """DiffusionNFT (and, with several rewards, MARBLE) for Stable Diffusion 3 / 3.5 pipelines with LoRA.
 
     Args:
@@ -258,130 +248,9 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
     def _global_batch_index(self, micro_batch: int) -> int:
         return global_batch_index(micro_batch, self.accelerator.num_processes, self.accelerator.process_index)
 
-    # ------------------------------------------------------------------ rollouts and rewards
-    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
-        """Collect the step's micro-batches of prompts, then generate and score the whole step's rollouts."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        if not batches:
-            return batches, None
-        return self._generate_and_score(batches), None
-
+    # ------------------------------------------------------------------ autocast
     def _autocast(self):
         return self.accelerator.autocast() if self.args.bf16 or self.args.fp16 else contextlib.nullcontext()
-
-    def _generate_and_score(self, batches: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-        args = self.args
-        device = self.accelerator.device
-        samples = [s for batch in batches for s in batch]
-        prompts = [s["prompt"] for s in samples]
-        columns = {key: [s.get(key) for s in samples] for key in samples[0] if key != "prompt"}
-        micro = len(batches[0])
-
-        start = time.perf_counter()
-        embeds, negative = self._encode(prompts)
-        with use_old_policy(self.transformer), self._autocast():
-            x0_all, images_all = rollouts(
-                self.model_adapter,
-                self.rollout_scheduler,
-                embeds,
-                negative,
-                micro,
-                len(batches),
-                args,
-                lambda m: self._generator(0, self._global_batch_index(m)),
-            )
-        rollout_time = time.perf_counter() - start
-        if not torch.isfinite(x0_all).all():
-            raise FloatingPointError(
-                f"Step {self.state.global_step}: the rollouts' latents contain NaN/inf, so every image and reward would "
-                "be NaN. The old-policy adapter or the base model has non-finite weights (a corrupt checkpoint or "
-                "model file?), or the rollout overflowed in half precision; check the model and the last checkpoint."
-            )
-
-        start = time.perf_counter()
-        timings: dict[str, float] = {}
-        reward_logs = RewardLogs()  # GRPO's trainer_state / log_extra / log_metric kwargs
-        rewards_local = run_together(  # a reward failing on one process stops every process here
-            self.accelerator,
-            "scoring the rewards",
-            lambda: score_rewards(
-                self.reward_funcs, prompts, images_all, columns, self.reward_names, timings,
-                trainer_state=self.state, logs=reward_logs,
-            ),
-        )  # fmt: skip
-        reward_time = time.perf_counter() - start
-        logged, self.reward_extras = flush_reward_logs(self.accelerator, reward_logs, len(prompts))
-        self._append_metrics(logged)
-        for name, seconds in timings.items():
-            self._metrics[f"rewards/{name}/time"].append(seconds)
-
-        gathered_rewards = gather_rewards(
-            self.accelerator, rewards_local, prompts, micro, args.num_generations, columns.get(SOURCE_COLUMN)
-        )
-        adv = collate_advantages(
-            gathered_rewards.rewards, args.num_generations, args.scale_rewards, self.reward_weights, self.aggregation
-        )
-        self._append_metrics(
-            reward_metrics(
-                gathered_rewards.rewards,
-                self.reward_names,
-                self.reward_weights,
-                args.num_generations,
-                gathered_rewards.sources,
-            )
-        )
-        local_positions = gathered_rewards.local_positions
-        self._log_rollout_samples(prompts, images_all, rewards_local, local_positions // args.num_generations)
-        self._metrics["time/rollout"].append(rollout_time)
-        self._metrics["time/reward"].append(reward_time)
-
-        paper = isinstance(self.balancer, MarbleBalancer)
-        plan = plan_step(
-            adv.per_reward,
-            adv.combined,
-            self.balancer,
-            self.state.global_step,
-            log_update_cosines=self._update_cosines_this_step,
-            adv_clip_max=args.adv_clip_max,
-            solve_first=args.marble_refresh_update == "gradient"
-            and (args.marble_refresh_subset > 0 or self.backend.owns_gradients),
-        )
-        if paper:
-            self._metrics["marble/clamp_violations"].append(float(self.balancer.num_clamp_violations))
-        return self.start_step(
-            make_micro_batches(
-                x0_all,
-                embeds,
-                plan,
-                adv.per_reward,
-                local_positions,
-                micro,
-                len(batches),
-                len(self.train_sigmas),
-                num_train_timesteps(len(self.train_sigmas), args.timestep_fraction),
-                lambda m: self._generator(1, self._global_batch_index(m)),
-                device,
-                applicable=~torch.isnan(gathered_rewards.rewards),
-            )
-        )
-
-    def start_step(self, batches: list[MicroBatch]) -> list[MicroBatch]:
-        """Open the optimizer step's :class:`~marble_trl.trainer.session.StepSession` on its micro-batches, and return
-        them: the Trainer hands each back to ``training_step``, which asks the session for the one to train."""
-        self.session = StepSession(batches, self.balancer)
-        return list(self.session.batches)
-
-    def _encode(self, prompts: list[str]) -> tuple[Conditioning, Conditioning | None]:
-        return encode_prompts_and_negative(self.model_adapter, prompts, self.args, self.accelerator.device)
-
-    def _append_metrics(self, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            self._metrics[key].append(value)
 
     # ------------------------------------------------------------------ the NFT loss
     def _prepare_for_training(self, *args, **kwargs):
@@ -474,17 +343,6 @@ class MarbleDiffusionNFTTrainer(PersistenceHooks, EvaluationHooks, BalancingHook
             self._metrics.clear()
         order_logs(logs)  # console: loss, reward, rewards/*/mean first (marble_trl.trainer.console)
         super().log(logs, start_time)
-
-    def _log_rollout_samples(self, prompts, images, rewards, groups) -> None:
-        """``log_samples``: every that many optimizer steps, a captioned grid of this process's rollouts (main process
-        only; :func:`~marble_trl.trainer.metrics.save_rollout_grid`)."""
-        every = self.args.log_samples
-        step = self.state.global_step + 1  # the optimizer step these rollouts train
-        if every and not step % every and self.is_world_process_zero():
-            grid, caption, video = save_rollout_grid(
-                images, prompts, rewards, self.reward_names, groups, step, self.args.output_dir
-            )
-            log_image(self.callback_handler.callbacks, "train/samples", grid, step, caption=caption, video=video)
 
     @property
     def shards_transformer(self) -> bool:

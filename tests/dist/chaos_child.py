@@ -45,6 +45,7 @@ def _install() -> None:
     import marble_trl.balance.released as released
     import marble_trl.trainer.guards as guards
     import marble_trl.trainer.checkpointing as checkpointing
+    import marble_trl.trainer.rollouts as rollout_hooks
     import marble_trl.trainer.trainer as trainer
 
     init = trainer.MarbleDiffusionNFTTrainer.__init__
@@ -54,8 +55,8 @@ def _install() -> None:
         trainers.append(self)
 
     trainer.MarbleDiffusionNFTTrainer.__init__ = keep
-    wrap(trainer, "rollouts", "rollout")
-    wrap(trainer, "score_rewards", "reward")
+    wrap(rollout_hooks, "rollouts", "rollout")
+    wrap(rollout_hooks, "score_rewards", "reward")
     wrap(marble.MarbleBalancer, "refresh", "refresh")
     wrap(released.ReleasedMarble, "solve", "refresh")
     wrap(guards.NonFiniteGuard, "on_pre_optimizer_step", "optimizer")
