@@ -29,6 +29,10 @@ LOCK_FILE = ".marble_trl.lock"
 
 # a checkpoint-N folder
 OLD_POLICY_FILE = "old_policy_lora.safetensors"
+# full fine-tuning (use_peft=False): the trained transformer as a diffusers model folder, the old policy and the EMA
+# as safetensors keyed by the transformer's parameter names
+TRANSFORMER_DIR = "transformer"
+FULL_OLD_POLICY_FILE = "old_policy.safetensors"
 EMA_FILE = "param_ema.safetensors"
 BALANCER_FILE = "marble_balancer.json"
 MANIFEST_FILE = "marble_checkpoint.json"

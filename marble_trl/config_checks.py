@@ -37,6 +37,15 @@ def check_fields(self) -> None:
         self.num_generations >= 2,
         f"num_generations must be >= 2 (a group needs a baseline), got {self.num_generations}.",
     )
+    need(
+        self.use_peft or self.full_finetune_modules is None or len(self.full_finetune_modules) > 0,
+        "full_finetune_modules is empty: name at least one module to train, or leave it unset to train every weight.",
+    )
+    need(
+        not self.use_peft or self.full_finetune_modules is None,
+        f"full_finetune_modules={self.full_finetune_modules} is for full fine-tuning: set use_peft false "
+        "(--use_peft false), or name the LoRA's modules with lora_target_modules.",
+    )
     need(self.lora_r >= 1, f"lora_r must be >= 1, got {self.lora_r}.")
     need(
         self.lora_alpha != 0,

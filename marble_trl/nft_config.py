@@ -79,7 +79,23 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         metadata={"help": "Keep every dataset column: extra columns are passed to the reward functions."},
     )
 
-    # --- LoRA ---
+    # --- LoRA or full fine-tuning ---
+    use_peft: bool = field(
+        default=True,
+        metadata={
+            "help": "Train a LoRA (true, the papers' setting) or the transformer's own weights (false: full "
+            "fine-tuning, TRL's `--use_peft false`; one process or DDP, docs/models.md). The lora_* fields apply "
+            "only to a LoRA."
+        },
+    )
+    full_finetune_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "With use_peft false: the transformer modules whose weights train, named as lora_target_modules "
+            "(module names or their last components, e.g. to_q to_k to_v to_out.0 for the attention only). Default: "
+            "every weight of the transformer."
+        },
+    )
     lora_r: int = field(default=32, metadata={"help": "LoRA rank (DiffusionNFT SD3.5: 32)."})
     lora_alpha: int = field(default=64, metadata={"help": "LoRA alpha (DiffusionNFT SD3.5: 64)."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout (reference: 0)."})

@@ -24,7 +24,8 @@ def _evaluate_parser() -> argparse.ArgumentParser:
         "--lora",
         nargs="*",
         default=[],
-        help="LoRA folders to compare (output_dir, checkpoint-N, export folders); each is one model, named by folder.",
+        help="LoRA folders to compare (output_dir, checkpoint-N, export folders; a full fine-tune's too: its "
+        "transformer/ replaces the base's); each is one model, named by folder.",
     )
     p.add_argument("--no_base", action="store_true", help="Do not evaluate the base model alone.")
     p.add_argument(

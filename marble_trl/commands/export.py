@@ -8,13 +8,14 @@ import argparse
 def _export_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="marble-trl export",
-        description="A run folder (checkpoint-N or the final output_dir) -> a publishable LoRA folder, written "
-        "atomically (nothing is left at --output when a step fails).",
+        description="A run folder (checkpoint-N or the final output_dir) -> a publishable LoRA folder (a full "
+        "fine-tune's: its transformer/ folder), written atomically (nothing is left at --output when a step fails).",
     )
     p.add_argument(
         "--checkpoint",
         required=True,
-        help="A run folder: a checkpoint-N folder, or the final output_dir of a run (its LoRA and marble_trl.json).",
+        help="A run folder: a checkpoint-N folder, or the final output_dir of a run (its LoRA or, with use_peft false, "
+        "its transformer/, and marble_trl.json).",
     )
     p.add_argument("--output", required=True, help="Folder to write (LoRA, README.md model card, marble_trl.json).")
     p.add_argument(

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..artifacts import EVAL_SETTINGS_FILE, LORA_FILE, PEFT_WEIGHTS_FILE
+from ..persistence.full_weights import is_full_finetune, load_full_transformer
 from .images import generate_eval_images, sample_seed, save_file_grid
 from .results import save_comparison, save_reward_chart, summarize_scores, write_results
 
@@ -220,7 +221,11 @@ def evaluate_models(
                 pipe.set_progress_bar_config(disable=True)
                 pipe.to(device)
                 scheduler = make_scheduler(settings.scheduler, pipe.scheduler)
-            if spec.lora is not None:
+            base_transformer = pipe.transformer
+            full = spec.lora is not None and is_full_finetune(spec.lora)
+            if full:  # a full fine-tune: its transformer replaces the base's for this model
+                pipe.transformer = load_full_transformer(pipe, spec.lora, spec.weight_name)
+            elif spec.lora is not None:
                 lora_dir = Path(spec.lora)
                 if spec.weight_name is None and not (lora_dir / LORA_FILE).is_file():
                     hint = (
@@ -270,7 +275,9 @@ def evaluate_models(
                         bar.update(len(chunk))
                     bar.close()
             finally:
-                if spec.lora is not None:
+                if full:
+                    pipe.transformer = base_transformer
+                elif spec.lora is not None:
                     pipe.unload_lora_weights()
         rows = [done[it]["scores"] for it in items]
         row_sources = [sources[p] for p, _ in items] if sources is not None else None

@@ -80,6 +80,8 @@ EXACT_FIELDS = (
 )
 APPLIED_FIELDS = ("learning_rate", "weight_decay")  # held by the optimizer state: applied to it when allowed
 FROZEN_FIELDS = (
+    "use_peft",  # LoRA vs full fine-tuning: the optimizer state is over other parameters
+    "full_finetune_modules",
     "optim",
     "lr_scheduler_type",
     "warmup_steps",
@@ -115,10 +117,10 @@ def validate_checkpoint(folder: str | os.PathLike) -> None:
     except (ValueError, KeyError) as e:  # JSONDecodeError is a ValueError
         raise CorruptCheckpointError(f"{folder / 'marble_checkpoint.json'} cannot be read: {e}") from e
     files = manifest.get("files", {})
-    for key in ("lora", "old_policy", "param_ema"):
-        if not files.get(key):
-            continue
-        path = folder / files[key]
+    paths = [folder / files[key] for key in ("lora", "old_policy", "param_ema") if files.get(key)]
+    if files.get("transformer"):  # full fine-tuning: the trained transformer's shards
+        paths += sorted((folder / files["transformer"]).glob("*.safetensors"))
+    for path in paths:
         try:
             tensors = load_file(str(path))
         except Exception as e:  # safetensors raises its own error types for truncated files

@@ -221,16 +221,20 @@ def soft_update_old_policy(transformer: nn.Module, eta: float) -> None:
 
 
 class LoraEMA:
-    """EMA of the trainable LoRA weights (float32, whole on every process, also under ZeRO-3 and FSDP2), for
+    """EMA of the trainable LoRA weights (of every trained weight under full fine-tuning: :class:`~.full.FullEMA`) (float32, whole on every process, also under ZeRO-3 and FSDP2), for
     evaluation and export only; never used in the loss."""
 
     def __init__(self, transformer: nn.Module) -> None:
-        params = lora_parameters(transformer, TRAIN_ADAPTER)
+        params = self._params(transformer)
         self.shadow = {n: full_tensor(p.detach()).float().clone() for n, p in params.items()}  # FSDP2: gathered
+
+    def _params(self, transformer: nn.Module) -> dict[str, nn.Parameter]:
+        """The weights averaged: the trainable adapter's (full fine-tuning overrides this)."""
+        return lora_parameters(transformer, TRAIN_ADAPTER)
 
     @torch.no_grad()
     def update(self, transformer: nn.Module, decay: float) -> None:
-        params = lora_parameters(transformer, TRAIN_ADAPTER)
+        params = self._params(transformer)
         with gathered(params.values()):  # ZeRO-3: read the full (gathered) weights, on every process
             for name, value in master_weights(params).items():
                 value = full_tensor(value)  # FSDP2: gathered, on every process
@@ -249,7 +253,7 @@ class LoraEMA:
     @contextlib.contextmanager
     def swapped_in(self, transformer: nn.Module) -> Iterator[None]:
         """Temporarily load the EMA weights into the trainable adapter."""
-        params = lora_parameters(transformer, TRAIN_ADAPTER)
+        params = self._params(transformer)
         backup = {n: p.detach().clone() for n, p in params.items()}
         with torch.no_grad():
             for name, param in params.items():

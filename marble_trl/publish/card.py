@@ -91,7 +91,7 @@ class CardInfo:
     log_history: list[dict[str, Any]]
     balancer_state: dict[str, Any] | None = None
     weights: str = "raw"  # "raw" or "ema"
-    lora_format: str = "diffusers"  # "diffusers" or "peft"
+    lora_format: str = "diffusers"  # "diffusers" or "peft" (a LoRA), or "full" (a fully fine-tuned transformer)
     repo_id: str | None = None
     samples: list[tuple[str, str]] = field(default_factory=list)  # (path relative to the card, prompt)
     model_name: str | None = None
@@ -237,7 +237,13 @@ def _usage_snippet(info: CardInfo) -> str:
         )
     if family.video:
         call = call.replace("image = ", "video = ").replace(").images[0]", ").frames[0]  # [frames, H, W, 3]")
-    if info.lora_format == "peft":
+    if info.lora_format == "full":
+        attach = (
+            "from diffusers import AutoModel\n\n"
+            f'pipe.transformer = AutoModel.from_pretrained("{repo}", subfolder="transformer", '
+            "torch_dtype=pipe.transformer.dtype).to(pipe.device)  # the fine-tuned transformer"
+        )
+    elif info.lora_format == "peft":
         attach = (
             "from peft import PeftModel\n\n"
             f'PeftModel.from_pretrained(pipe.transformer, "{repo}")  # injects the LoRA into pipe.transformer'
@@ -256,7 +262,8 @@ def render_model_card(info: CardInfo) -> str:
     from huggingface_hub import ModelCardData
 
     hub_base = hub_base_model(info.base_model)
-    tags = list(dict.fromkeys([*CARD_TAGS, *info.tags]))
+    full = info.lora_format == "full"
+    tags = list(dict.fromkeys([*(t for t in CARD_TAGS if not (full and t == "lora")), *info.tags]))
     data = ModelCardData(
         library_name="diffusers",
         base_model=hub_base,
@@ -267,18 +274,19 @@ def render_model_card(info: CardInfo) -> str:
     )
     multi = len(info.reward_names) > 1
     method = "MARBLE on DiffusionNFT" if info.aggregation == "marble" else "DiffusionNFT"
-    title = info.model_name or (info.repo_id.split("/")[-1] if info.repo_id else f"{method} LoRA")
+    kind = "full fine-tune" if full else "LoRA"
+    title = info.model_name or (info.repo_id.split("/")[-1] if info.repo_id else f"{method} {kind}")
     base_text = f"[{hub_base}](https://huggingface.co/{hub_base})" if hub_base else f"`{info.base_model or 'unknown'}`"
-    weights = "the parameter EMA of the LoRA weights" if info.weights == "ema" else "the trained LoRA weights"
-    fmt = (
-        "diffusers format (`pytorch_lora_weights.safetensors`, with adapter metadata)"
-        if info.lora_format == "diffusers"
-        else "PEFT format (`adapter_model.safetensors` + `adapter_config.json`)"
-    )
+    weights = f"the parameter EMA of the {kind} weights" if info.weights == "ema" else f"the trained {kind} weights"
+    fmt = {
+        "diffusers": "diffusers format (`pytorch_lora_weights.safetensors`, with adapter metadata)",
+        "peft": "PEFT format (`adapter_model.safetensors` + `adapter_config.json`)",
+        "full": "a diffusers model folder (`transformer/`, safetensors): the whole transformer",
+    }[info.lora_format]
     parts = [
         f"---\n{data.to_yaml()}\n---",
         f"# {title}",
-        f"A LoRA for {base_text}, trained with marble_trl ({method}: online RL for text-to-image diffusion, a "
+        f"{'A full fine-tune of the transformer of' if full else 'A LoRA for'} {base_text}, trained with marble_trl ({method}: online RL for text-to-image diffusion, a "
         f"[TRL](https://github.com/huggingface/trl) extension) for {info.global_step} optimizer steps on "
         f"{len(info.reward_names)} reward{'s' if multi else ''}: "
         + ", ".join(f"`{n}`" for n in info.reward_names)

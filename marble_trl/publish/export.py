@@ -32,11 +32,14 @@ from ..artifacts import (
     PEFT_CONFIG_FILE,
     PEFT_WEIGHTS_FILE,
     SAMPLES_DIR,
+    TRANSFORMER_DIR,
 )
 from ..evaluation.samples import save_samples
 from ..models.sd3 import save_sd3_lora
 from ..persistence.checkpoint import checksum_mismatches, read_manifest
+from ..persistence.full_weights import is_full_finetune, load_full_transformer
 from .card import write_model_card
+from .export_full import export_full
 from .run_info import card_info_from_checkpoint, read_export_config, write_export_config
 
 FORMATS = ("diffusers", "peft")
@@ -126,7 +129,9 @@ def generate_images(
     # float32 is every pipeline's own dtype: no cast (diffusers warns on casts)
     adapter = load_model(model, torch_dtype=None if torch_dtype == torch.float32 else torch_dtype, tiny_seed=tiny_seed)
     pipe = adapter.pipeline
-    if lora is not None:
+    if lora is not None and is_full_finetune(lora):  # use_peft=False: the fine-tuned transformer replaces the base's
+        pipe.transformer = load_full_transformer(pipe, lora, weight_name)
+    elif lora is not None:
         folder = Path(lora)
         if weight_name is None and not (folder / LORA_FILE).is_file() and (folder / PEFT_WEIGHTS_FILE).is_file():
             raise ValueError(
@@ -186,7 +191,8 @@ def generate_to_folder(model: str, prompts: list[str], output: str | os.PathLike
 
 # -------------------------------------------------------------------------------------------------- export
 # What an export folder holds: the only entries `overwrite` may replace.
-EXPORT_ENTRIES = {LORA_FILE, PEFT_WEIGHTS_FILE, PEFT_CONFIG_FILE, EXPORT_CONFIG_FILE, MODEL_CARD_FILE, SAMPLES_DIR}
+EXPORT_ENTRIES = {LORA_FILE, PEFT_WEIGHTS_FILE, PEFT_CONFIG_FILE, EXPORT_CONFIG_FILE, MODEL_CARD_FILE, SAMPLES_DIR,
+                  TRANSFORMER_DIR}  # fmt: skip
 
 
 def read_run_folder(folder: str | os.PathLike, ema: bool = False) -> dict[str, Any]:
@@ -254,6 +260,12 @@ def export_checkpoint(
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}.")
     source, output = Path(checkpoint), Path(output)
+    if is_full_finetune(source):  # use_peft=False: the fine-tuned transformer, not a LoRA
+        _check_output(source, output, overwrite)
+        return export_full(
+            source, output, ema=ema, fmt=fmt, base_model=base_model, sample_prompts=sample_prompts, model=model,
+            tiny_seed=tiny_seed, seed=seed, repo_id=repo_id, license=license, render=generate_images, replace=_replace,
+        )  # fmt: skip
     found = read_run_folder(source, ema=ema)
     _check_output(source, output, overwrite)
     info = card_info_from_checkpoint(

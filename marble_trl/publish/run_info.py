@@ -44,6 +44,7 @@ def card_info_from_checkpoint(folder: str | os.PathLike, **overrides) -> CardInf
             log_history=_log_history(folder),
             balancer_state=json.loads((folder / balancer).read_text(encoding="utf-8")) if balancer else None,
             pipeline_class=manifest.get("pipeline_class") or "StableDiffusion3Pipeline",
+            lora_format="full" if manifest.get("policy") == "full" else "diffusers",
         )
     else:
         names = list(config.get("reward_names") or [])
@@ -58,6 +59,7 @@ def card_info_from_checkpoint(folder: str | os.PathLike, **overrides) -> CardInf
             log_history=_log_history(folder),
             weights=config.get("weights") or "raw",
             pipeline_class=config.get("pipeline_class") or "StableDiffusion3Pipeline",
+            lora_format="full" if config.get("format") == "full" else "diffusers",
         )
     if is_tiny(info.base_model):
         info.tiny_seed = int(config.get("tiny_seed") or 0)

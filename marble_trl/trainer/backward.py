@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..balance import GradientEngine, MarbleBalancer, RefreshInfo, cosine_stats, make_gradient_engine, update_cosines
-from ..policy.lora import use_old_policy, use_reference
 from ..policy.nft import add_noise, advantage_to_r, masked_weights, nft_loss, nft_loss_terms, nft_weighted_loss
+from ..policy.switch import use_old_weights, use_reference_weights
 from .backends import Backend, LossSettings
 from .step import MicroBatch
 
@@ -98,11 +98,11 @@ def timestep_inputs(batch, j, x0, sigmas, noise_generator, transformer, predict,
     noise = torch.randn(x0.shape, generator=noise_generator).to(device=x0.device, dtype=x0.dtype)
     x_t = add_noise(x0, noise, t)
     with torch.no_grad(), autocast():
-        with use_old_policy(transformer):
+        with use_old_weights(transformer):
             v_old = predict(transformer, x_t, t, batch.embeds).float()
         v_ref = None
         if settings.beta > 0:
-            with use_reference(transformer):
+            with use_reference_weights(transformer):
                 v_ref = predict(transformer, x_t, t, batch.embeds).float()
     return TimestepInputs(x_t, t, v_old, v_ref)
 

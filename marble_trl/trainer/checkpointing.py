@@ -21,6 +21,7 @@ from .._version import __version__
 from ..artifacts import (
     BALANCER_FILE,
     EMA_FILE,
+    FULL_OLD_POLICY_FILE,
     LORA_FILE,
     MANIFEST_FILE,
     MANIFEST_FORMAT,
@@ -28,6 +29,7 @@ from ..artifacts import (
     OLD_POLICY_FILE,
     STAGING_PREFIX,
     TRAINER_STATE_FILE,
+    TRANSFORMER_DIR,
     lora_key,
 )
 from ..distributed import full_tensor, gathered
@@ -46,6 +48,7 @@ from ..persistence.checkpoint import (
     replace_dir,
     write_json,
 )
+from ..persistence.full_weights import load_trained_weights, save_named
 from ..persistence.resume import APPLIED_FIELDS, DATASET_KEY, EXACT_FIELDS, FROZEN_FIELDS, dataset_fingerprint
 from ..policy.lora import OLD_ADAPTER, TRAIN_ADAPTER, lora_parameters, master_weights
 
@@ -62,6 +65,8 @@ def trained_args(trainer: Trainer) -> dict:
     the trainer overrides ``lora_r`` and the rest: the manifest must not record the unused defaults)."""
     args = json.loads(trainer.args.to_json_string())
     config = trainer.peft_config
+    if config is None:  # full fine-tuning: no LoRA
+        return args
     targets = config.target_modules
     args.update(
         lora_r=config.r,
@@ -77,26 +82,35 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
 
     ``folder`` already holds the trained LoRA (``_save``) and the Trainer's files. Main process only.
     """
-    with gathered(lora_parameters(trainer.transformer, OLD_ADAPTER).values()):  # ZeRO-3: every process gathers
-        old = adapter_state(trainer.transformer, OLD_ADAPTER)
+    full = trainer.full_policy is not None
+    if not full:
+        with gathered(lora_parameters(trainer.transformer, OLD_ADAPTER).values()):  # ZeRO-3: every process gathers
+            old = adapter_state(trainer.transformer, OLD_ADAPTER)
     if not trainer.args.should_save:
         return
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     files: dict[str, str | None] = {
-        "lora": LORA_FILE,
-        "old_policy": OLD_POLICY_FILE,
+        "lora": None if full else LORA_FILE,
+        "old_policy": FULL_OLD_POLICY_FILE if full else OLD_POLICY_FILE,
         "param_ema": None,
         "balancer": None,
     }
-    master = trainer.old_policy.master_state()  # DeepSpeed bf16: the float32 weights, not the rounded adapter
-    if master is not None:
-        old = {lora_key(n, OLD_ADAPTER): t.contiguous() for n, t in master.items()}
-    save_lora_file(trainer, folder, old, OLD_POLICY_FILE)
-    if trainer.param_ema is not None:
-        ema = {lora_key(n, TRAIN_ADAPTER): t.contiguous() for n, t in trainer.param_ema.state_dict().items()}
-        save_lora_file(trainer, folder, ema, EMA_FILE)
-        files["param_ema"] = EMA_FILE
+    if full:  # the trained transformer is _save's transformer/ folder
+        files["transformer"] = TRANSFORMER_DIR
+        save_named(trainer.full_policy.master_state(), folder / FULL_OLD_POLICY_FILE)
+        if trainer.param_ema is not None:
+            save_named(trainer.param_ema.state_dict(), folder / EMA_FILE)
+            files["param_ema"] = EMA_FILE
+    else:
+        master = trainer.old_policy.master_state()  # DeepSpeed bf16: the float32 weights, not the rounded adapter
+        if master is not None:
+            old = {lora_key(n, OLD_ADAPTER): t.contiguous() for n, t in master.items()}
+        save_lora_file(trainer, folder, old, OLD_POLICY_FILE)
+        if trainer.param_ema is not None:
+            ema = {lora_key(n, TRAIN_ADAPTER): t.contiguous() for n, t in trainer.param_ema.state_dict().items()}
+            save_lora_file(trainer, folder, ema, EMA_FILE)
+            files["param_ema"] = EMA_FILE
     if trainer.balancer is not None:
         write_json(folder / BALANCER_FILE, trainer.balancer.state_dict())
         files["balancer"] = BALANCER_FILE
@@ -112,7 +126,8 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
         "aggregation": trainer.aggregation,
         DATASET_KEY: dataset_fingerprint(trainer.train_dataset),
         "files": files,
-        "lora_config": json.loads(json.dumps(trainer.peft_config.to_dict(), default=jsonable)),
+        "policy": "full" if full else "lora",
+        "lora_config": None if full else json.loads(json.dumps(trainer.peft_config.to_dict(), default=jsonable)),
         "training_args": trained_args(trainer),
     }
     write_json(folder / MANIFEST_FILE, manifest)  # last: its presence marks a complete marble_trl checkpoint
@@ -141,6 +156,15 @@ def load_training_state(trainer: Trainer, folder: str | os.PathLike, engine_rest
     check_resume_config(trainer, manifest, folder)
     files = manifest["files"]
     transformer = trainer.transformer
+    kind = manifest.get("policy", "lora")
+    if kind != ("full" if trainer.full_policy is not None else "lora"):
+        raise ValueError(
+            f"{folder} holds a {kind} run and this trainer has use_peft={trainer.args.use_peft}: a checkpoint resumes "
+            "the kind of training that wrote it (use_peft true for a LoRA, false for full fine-tuning)."
+        )
+    if trainer.full_policy is not None:
+        load_full_state(trainer, folder, files)
+        return
     if not engine_restored:
         load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
     old = lora_parameters(transformer, OLD_ADAPTER)
@@ -305,6 +329,9 @@ def load_best_checkpoint(trainer: Trainer) -> None:
         return
     files = read_manifest(folder)["files"]
     transformer = trainer.transformer
+    if trainer.full_policy is not None:
+        load_full_state(trainer, folder, files)
+        return
     load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
     load_adapter_state(transformer, OLD_ADAPTER, folder / files["old_policy"])
     trainer.old_policy.reset()
@@ -339,3 +366,20 @@ def trained_lora_layers(
                 f"peft's LoRA keys {sorted(layers)[:2]} do not match the parameters {sorted(masters)[:2]}."
             )
         return {name: full_tensor(value).cpu().clone() for name, value in masters.items()}  # FSDP2: gathered
+
+
+def load_full_state(trainer: Trainer, folder: Path, files: dict[str, Any]) -> None:
+    """Full fine-tuning: the trained weights (``transformer/``), the old policy, the EMA and the balancer."""
+    from safetensors.torch import load_file
+
+    load_trained_weights(trainer.trainable_parameters(), folder)
+    trainer.full_policy.load_old(load_file(str(folder / files["old_policy"])))
+    if trainer.param_ema is not None:
+        if not files.get("param_ema"):
+            raise ValueError(f"{folder} has no parameter EMA (trained with param_ema=False); this trainer has one.")
+        trainer.param_ema.load_state_dict(load_file(str(folder / files["param_ema"])))
+    if trainer.balancer is not None and files.get("balancer"):
+        trainer.balancer.load_state_dict(json.loads((folder / files["balancer"]).read_text(encoding="utf-8")))
+    logger.info(
+        "Restored the trained transformer weights, old policy%s from %s.", " and EMA" * bool(trainer.param_ema), folder
+    )

@@ -23,7 +23,8 @@ from ..data.sources import SOURCE_COLUMN
 from ..evaluation.images import generate_eval_images, grid_image, sample_seed
 from ..evaluation.results import summarize_scores
 from ..persistence.best import selection_metrics
-from ..policy.lora import LoraEMA, use_reference
+from ..policy.lora import LoraEMA
+from ..policy.switch import use_reference_weights
 from ..rewards import RewardFunc, score_rewards
 from .trackers import log_image
 
@@ -147,7 +148,7 @@ class EvaluationHooks:
         was_training = transformer.training
         transformer.eval()
         embeds, negative = self._encode(prompts)
-        context = contextlib.nullcontext() if use_lora else use_reference(transformer)
+        context = contextlib.nullcontext() if use_lora else use_reference_weights(transformer)
         with context, self._autocast():
             latents = self.model_adapter.sample(
                 self.rollout_scheduler,

@@ -22,6 +22,7 @@ import torch
 from transformers.trainer import TRAINER_STATE_NAME
 
 from ..artifacts import TRAINING_ARGS_FILE
+from ..persistence.full_weights import save_transformer
 from ..publish.run_info import write_export_config
 from .checkpointing import (
     apply_changed_hyperparameters,
@@ -55,13 +56,20 @@ class PersistenceHooks:
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         """Save the trained LoRA in diffusers format (``pytorch_lora_weights.safetensors`` with adapter metadata),
-        loadable with ``StableDiffusion3Pipeline.load_lora_weights``."""
+        loadable with ``StableDiffusion3Pipeline.load_lora_weights``; under full fine-tuning the trained transformer
+        (``transformer/``, loadable with the family's transformer class ``from_pretrained``)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        layers = trained_lora_layers(self.transformer, self.trainable_parameters())  # every process (ZeRO-3)
+        if self.full_policy is not None:  # use_peft=False: the whole transformer as a diffusers model folder
+            if self.args.should_save:
+                os.makedirs(output_dir, exist_ok=True)
+                save_transformer(self.transformer, output_dir)
+        else:
+            layers = trained_lora_layers(self.transformer, self.trainable_parameters())  # every process (ZeRO-3)
+            if self.args.should_save:
+                os.makedirs(output_dir, exist_ok=True)
+                self.model_adapter.save_lora(output_dir, layers, self.peft_config.to_dict())
         if not self.args.should_save:
             return
-        os.makedirs(output_dir, exist_ok=True)
-        self.model_adapter.save_lora(output_dir, layers, self.peft_config.to_dict())
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_FILE))
         # marble_trl.json: base model and sampler settings, the defaults of `marble-trl generate --lora <folder>`.
         write_export_config(output_dir, card_info_from_trainer(self))

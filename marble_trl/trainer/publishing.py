@@ -34,6 +34,7 @@ def card_info_from_trainer(trainer: Trainer, **overrides) -> CardInfo:
         balancer_state=trainer.balancer.state_dict() if trainer.balancer is not None else None,
         repo_id=trainer.hub_model_id or trainer.args.hub_model_id,
         pipeline_class=trainer.model_adapter.pipeline_class_name,
+        lora_format="diffusers" if trainer.full_policy is None else "full",
     )
     if is_tiny(info.base_model):
         info.tiny_seed = tiny_seed_of(trainer.pipeline)

@@ -15,7 +15,7 @@ from ..balance.advantages import collate_advantages
 from ..data.sources import SOURCE_COLUMN
 from ..distributed import num_train_timesteps
 from ..models import Conditioning
-from ..policy.lora import use_old_policy
+from ..policy.switch import use_old_weights
 from ..rewards import RewardLogs, score_rewards
 from .metrics import flush_reward_logs, reward_metrics, save_rollout_grid
 from .session import StepSession
@@ -56,7 +56,7 @@ class RolloutHooks:
 
         start = time.perf_counter()
         embeds, negative = self._encode(prompts)
-        with use_old_policy(self.transformer), self._autocast():
+        with use_old_weights(self.transformer), self._autocast():
             x0_all, images_all = rollouts(
                 self.model_adapter,
                 self.rollout_scheduler,

@@ -237,20 +237,49 @@ def unreached_trainable(adapter, transformer: torch.nn.Module, params: dict[str,
     return [name for name, g in zip(params, grads) if g is None]
 
 
-def check_unreached_parameters(args, adapter, transformer: torch.nn.Module) -> None:
+def check_unreached_parameters(args, adapter, transformer: torch.nn.Module, trainable: dict) -> None:
     """Multi-process DDP only: trainable tensors that never reach the output would stall DDP (it waits for their
     gradients); with some, DDP runs with ``find_unused_parameters=True`` and a warning names them."""
     if args.world_size <= 1 or args.ddp_find_unused_parameters:
         return
-    from ..policy.lora import TRAIN_ADAPTER, lora_parameters
-
-    unreached = unreached_trainable(adapter, transformer, lora_parameters(transformer, TRAIN_ADAPTER))
+    unreached = unreached_trainable(adapter, transformer, trainable)
     if unreached:
+        field = "lora_target_modules" if args.use_peft else "full_finetune_modules"
         logger.warning(
-            "%d trainable LoRA tensors never reach the transformer's output (%s, ...): they cannot train, and DDP "
+            "%d trainable tensors never reach the transformer's output (%s, ...): they cannot train, and DDP "
             "would wait for their gradients. Running DDP with find_unused_parameters=True; drop those modules from "
-            "lora_target_modules to avoid its per-step graph traversal.",
+            "%s to avoid its per-step graph traversal.",
             len(unreached),
             unreached[0],
+            field,
         )
         args.ddp_find_unused_parameters = True
+
+
+def full_policy(args, peft_config, transformer: torch.nn.Module):
+    """``use_peft=False``: the transformer's own weights train (:class:`~marble_trl.policy.full.FullPolicy`)."""
+    from ..policy.full import FullPolicy
+
+    if peft_config is not None:
+        raise ValueError(
+            "peft_config was given with use_peft=False (full fine-tuning): drop peft_config, or set use_peft=True to "
+            "train that LoRA."
+        )
+    mixed = {str(p.dtype) for p in transformer.parameters()} - {"torch.float32"}
+    if mixed and args.full_finetune_modules is not None and not (args.bf16 or args.fp16):
+        raise ValueError(
+            f"Full fine-tuning of some modules of a {'/'.join(sorted(mixed))} transformer: the trained weights are "
+            "float32 and the rest is not, so the forward needs autocast. Set bf16 true (or fp16), or load the model "
+            "in float32."
+        )
+    return FullPolicy(transformer, args.full_finetune_modules)
+
+
+def check_full_finetuning_backend(args, backend) -> None:
+    """Full fine-tuning runs on one process or DDP: DeepSpeed and FSDP2 shard the weights the old policy swaps."""
+    if not args.use_peft and backend.checkpoint_owner != "trainer":
+        raise ValueError(
+            f"use_peft=False (full fine-tuning) runs on one process or DDP; this run uses {type(backend).__name__}, "
+            "whose sharded parameters the old-policy and reference copies do not follow yet. Launch with a DDP "
+            "config (recipes/accelerate/), or train a LoRA (use_peft true)."
+        )

@@ -58,6 +58,7 @@ from ..models.prompt_cache import build_prompt_cache, dataset_prompts, offload_t
 from ..nft_config import MarbleDiffusionNFTConfig
 from ..persistence.best import RewardHackingCallback
 from ..persistence.checkpoint import SamplerEpochCallback
+from ..policy.full import FullEMA, FullPolicy
 from ..policy.lora import TRAIN_ADAPTER, LoraEMA, OldPolicy, add_policy_adapters, lora_parameters
 from ..policy.nft import advantage_to_r, old_policy_decay, param_ema_decay
 from ..rewards import RewardFunc, check_reward_funcs
@@ -74,6 +75,7 @@ from .persistence import PersistenceHooks
 from .rollouts import RolloutHooks
 from .session import StepHooks, StepSession
 from .setup import (
+    check_full_finetuning_backend,
     check_inputs,
     check_resolution,
     check_unreached_parameters,
@@ -81,6 +83,7 @@ from .setup import (
     eval_rewards,
     family_rewards,
     frozen_components,
+    full_policy,
     group_sampler,
     lora_config,
     make_balancer,
@@ -158,9 +161,13 @@ class MarbleDiffusionNFTTrainer(RolloutHooks, PersistenceHooks, EvaluationHooks,
         check_resolution(args.resolution, self.model_adapter.latent_factor)
         transformer = self.model_adapter.transformer
 
-        self.peft_config = peft_config = lora_config(args, peft_config, self.model_adapter.default_lora_targets)
-        add_policy_adapters(transformer, peft_config)
-        check_unreached_parameters(args, self.model_adapter, transformer)  # DDP waits for every gradient
+        self.full_policy: FullPolicy | None = None  # use_peft=False: the trained weights' old policy and reference
+        if args.use_peft:
+            self.peft_config = peft_config = lora_config(args, peft_config, self.model_adapter.default_lora_targets)
+            add_policy_adapters(transformer, peft_config)
+        else:
+            self.peft_config, self.full_policy = None, full_policy(args, peft_config, transformer)
+        check_unreached_parameters(args, self.model_adapter, transformer, self._trainable(transformer))
         # diffusers models have `enable_gradient_checkpointing`; Trainer calls `activation_checkpointing_enable`.
         transformer.activation_checkpointing_enable = lambda **_: transformer.enable_gradient_checkpointing()
         adapt_model_config(transformer)  # report_to callbacks read model.config as a transformers config
@@ -205,8 +212,9 @@ class MarbleDiffusionNFTTrainer(RolloutHooks, PersistenceHooks, EvaluationHooks,
         self._loss_settings = LossSettings(
             args.nft_beta, args.beta, args.adv_clip_max, args.marble_refresh_update, args.marble_masked_solve
         )
-        self.param_ema = LoraEMA(transformer) if args.param_ema else None
-        self.old_policy = OldPolicy()
+        check_full_finetuning_backend(args, self.backend)
+        self.param_ema = (LoraEMA if args.use_peft else FullEMA)(transformer) if args.param_ema else None
+        self.old_policy = OldPolicy() if self.full_policy is None else self.full_policy
         self.balancer = make_balancer(self.aggregation, args, self.reward_names)  # MARBLE's, or another weighting
         self._gradient_engine = None
         self.nonfinite_guard = NonFiniteGuard(self, args.max_nonfinite_skips)
@@ -351,5 +359,10 @@ class MarbleDiffusionNFTTrainer(RolloutHooks, PersistenceHooks, EvaluationHooks,
         return self.backend.shards_transformer
 
     def trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
-        """The trainable LoRA parameters by name."""
-        return lora_parameters(self.transformer, TRAIN_ADAPTER)
+        """The trained parameters by name: the LoRA adapter's, or the transformer's own under full fine-tuning."""
+        return self._trainable(self.transformer)
+
+    def _trainable(self, transformer: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+        if self.full_policy is not None:
+            return self.full_policy.trainable(transformer)
+        return lora_parameters(transformer, TRAIN_ADAPTER)

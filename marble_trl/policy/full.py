@@ -1,0 +1,143 @@
+"""Full fine-tuning (``use_peft=False``): the transformer's own weights train, and the old policy and the reference
+are frozen copies of them.
+
+With LoRA the old policy is a second adapter and the reference is the transformer with its adapters disabled
+(:mod:`.lora`). Without adapters both are whole copies of the trained weights:
+
+- the **old policy** is a float32 copy of every trainable weight, soft-updated after each optimizer step,
+  ``theta_old <- eta theta_old + (1 - eta) theta`` (DiffusionNFT), exact to float32 as for adapters;
+- the **reference** (the KL term's, and ``generate(use_lora=False)``'s base model) is the weights as loaded, kept in
+  their own dtype: a bf16 model's original bf16 tensors cost nothing extra (the trainable weights become float32
+  copies), a float32 model's are cloned;
+- their forwards swap the copy into the parameters' storage (``param.data = copy``: a pointer swap, no copy, O(1))
+  and swap back on exit, so every forward of the model (the family adapter's ``predict``, the rollout sampler) runs
+  unchanged on either set of weights. The trainable flags never change, so the optimizer and DDP see one set.
+
+Scope (docs/models.md, "Full fine-tuning"): one process or DDP. DeepSpeed ZeRO and FSDP2 shard the parameters, which a
+pointer swap of whole tensors cannot follow: the trainer refuses them with ``use_peft=False`` for now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .lora import ADAPTER_DTYPE, LoraEMA
+
+POLICY_ATTRIBUTE = "_marble_full_policy"  # the policy on its transformer (a plain attribute, not a submodule)
+
+
+def matches(name: str, targets: Sequence[str] | None) -> bool:
+    """peft's rule for ``target_modules`` given as names: the module's name or its last components equal a target."""
+    return targets is None or any(name == t or name.endswith("." + t) for t in targets)
+
+
+def full_parameters(transformer: nn.Module, targets: Sequence[str] | None) -> dict[str, nn.Parameter]:
+    """``{name: parameter}`` of the modules named by ``targets`` (every parameter of each, recursively), or of the
+    whole transformer when ``targets`` is None."""
+    if targets is None:
+        return dict(transformer.named_parameters())
+    out: dict[str, nn.Parameter] = {}
+    for module_name, module in transformer.named_modules():
+        if module_name and matches(module_name, targets):
+            for name, param in module.named_parameters(prefix=module_name):
+                out.setdefault(name, param)
+    return out
+
+
+class FullPolicy:
+    """The trainable weights of a fully fine-tuned transformer, their old-policy copy and the reference weights.
+
+    Args:
+        transformer: the model; every parameter not selected is frozen.
+        targets: module names (``full_finetune_modules``), or None for every weight of the transformer.
+    """
+
+    kind = "full"
+
+    def __init__(self, transformer: nn.Module, targets: Sequence[str] | None = None) -> None:
+        transformer.requires_grad_(False)
+        params = full_parameters(transformer, targets)
+        if not params:
+            raise ValueError(
+                f"full_finetune_modules={list(targets or [])} matched no module of the transformer: name modules as "
+                "lora_target_modules does (e.g. ['to_q', 'to_k', 'to_v', 'to_out.0']), or leave it unset to train "
+                "every weight."
+            )
+        self.names = sorted(params)
+        self.reference: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, param in params.items():
+                loaded = param.data
+                if loaded.dtype != ADAPTER_DTYPE:
+                    param.data = loaded.to(ADAPTER_DTYPE)  # the trained weights are float32 (exact soft updates)
+                    self.reference[name] = loaded  # the loaded bf16 / fp16 tensor itself: no copy
+                else:
+                    self.reference[name] = loaded.clone()
+                param.requires_grad_(True)
+        self.old = {name: param.detach().clone() for name, param in params.items()}
+        transformer.__dict__[POLICY_ATTRIBUTE] = self
+
+    def trainable(self, transformer: nn.Module) -> dict[str, nn.Parameter]:
+        """The trained parameters by name (the transformer's own names)."""
+        params = dict(transformer.named_parameters())
+        return {name: params[name] for name in self.names}
+
+    @contextlib.contextmanager
+    def swapped(self, transformer: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Run the transformer on ``weights`` (by parameter name) instead of the trained ones."""
+        params = self.trainable(transformer)
+        for name, param in params.items():
+            param.data, weights[name] = weights[name], param.data
+        try:
+            yield
+        finally:
+            for name, param in params.items():
+                param.data, weights[name] = weights[name], param.data
+
+    def use_old(self, transformer: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return self.swapped(transformer, self.old)
+
+    def use_reference(self, transformer: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return self.swapped(transformer, self.reference)
+
+    @torch.no_grad()
+    def update(self, transformer: nn.Module, eta: float) -> None:
+        """``theta_old <- eta theta_old + (1 - eta) theta`` in float32 (eta = 0 copies the trained weights)."""
+        for name, param in self.trainable(transformer).items():
+            self.old[name].mul_(eta).add_(param.detach(), alpha=1.0 - eta)
+
+    def reset(self) -> None:
+        """Nothing to forget: the old weights are the copy itself (LoRA's :class:`~.lora.OldPolicy` keeps a DeepSpeed
+        master; here there is none)."""
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """The old-policy weights by parameter name, as CPU copies (the checkpoint's ``old_policy.safetensors``)."""
+        return {name: t.detach().cpu().clone() for name, t in self.old.items()}
+
+    @torch.no_grad()
+    def load_old(self, state: dict[str, torch.Tensor]) -> None:
+        missing = sorted(set(self.names) - set(state))
+        if missing:
+            raise KeyError(f"The old-policy weights lack {len(missing)} trained tensors, e.g. {missing[0]!r}.")
+        for name in self.names:
+            self.old[name].copy_(state[name])
+
+
+def attached_policy(transformer: nn.Module) -> FullPolicy | None:
+    """The :class:`FullPolicy` of a fully fine-tuned transformer, or None (LoRA)."""
+    return transformer.__dict__.get(POLICY_ATTRIBUTE)
+
+
+class FullEMA(LoraEMA):
+    """The parameter EMA of a fully fine-tuned transformer: :class:`~.lora.LoraEMA` over the trained weights (it
+    overrides ``_params``, the weights averaged)."""
+
+    def _params(self, transformer: nn.Module) -> dict[str, nn.Parameter]:
+        policy = attached_policy(transformer)
+        if policy is None:
+            raise RuntimeError("FullEMA needs a fully fine-tuned transformer (FullPolicy attaches itself to it).")
+        return policy.trainable(transformer)
