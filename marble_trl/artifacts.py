@@ -36,7 +36,7 @@ FULL_OLD_POLICY_FILE = "old_policy.safetensors"
 EMA_FILE = "param_ema.safetensors"
 BALANCER_FILE = "marble_balancer.json"
 MANIFEST_FILE = "marble_checkpoint.json"
-MANIFEST_FORMAT = "marble_trl.persistence.checkpoint"
+MANIFEST_FORMAT = "marble_trl.checkpoint"  # a format name written into every manifest: never renamed
 MANIFEST_VERSION = 1
 STAGING_PREFIX = "tmp-"  # "tmp-checkpoint-N" does not match the Trainer's "checkpoint-*" glob nor its regex
 

@@ -381,3 +381,10 @@ def test_two_process_failure_on_one_rank_stops_every_rank_with_an_emergency_chec
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= {p.name for p in (tmp_path / "checkpoint-3").iterdir()}
     for name, p0 in failed[0]["lora"].items():
         assert torch.equal(p0, failed[1]["lora"][name]), f"ranks disagree on {name}"
+
+
+def test_the_manifest_format_name_is_the_one_every_earlier_checkpoint_recorded(tmp_path):
+    """`format` is a name written into every checkpoint's manifest, not a module path: a rename of the module that
+    writes it (persistence/checkpoint.py) must not make earlier checkpoints unreadable."""
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps({"format": "marble_trl.checkpoint", "version": 1}))
+    assert read_manifest(tmp_path)["format"] == "marble_trl.checkpoint"

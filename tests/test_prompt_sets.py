@@ -1,5 +1,5 @@
-"""The named prompt sets (marble_trl.data.prompt_sets): the pinned registry, download into the cache (from a local HTTP
-server, with the registry's URLs and digests pointed at synthetic files), verification, offline use, the mixture
+"""The named prompt sets (marble_trl.data.prompt_sets; their files: marble_trl.data.prompt_files): the pinned
+registry, download into the cache (from a local HTTP server, with the registry's URLs and digests pointed at synthetic files), verification, offline use, the mixture
 ``marble_5rewards`` (equal shares per step, source tags, GenEval columns) and ``marble-trl datasets``."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Gradient balancing for multi-reward training (MARBLE): per-reward gradient engines, the min-norm QP, the stateful
-balancer and the harmony diagnostics."""
+"""Multi-reward balancing: the per-reward and combined group advantages (``advantages.py``), per-reward gradient
+engines, the aggregation registry, the min-norm QP, MARBLE's stateful balancers and the harmony diagnostics."""
 
 from .diagnostics import cosine_stats, gram_cosines, update_cosines
 from .engines import ENGINE_NAMES, GradientEngine, ReferenceGradientEngine, make_gradient_engine

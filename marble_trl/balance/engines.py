@@ -65,7 +65,7 @@ class GradientEngine(Protocol):
             engine.accumulate(terms.loss_pos, terms.loss_neg, r, scale, extra_loss=beta * terms.kl.mean())
 
     ``buffers`` is ``[K, P]``; row ``k`` is the flat concatenation of the gradients of ``params`` in list order
-    (see :func:`unflatten`).
+    (see :func:`~.gradient_buffers.unflatten`).
     """
 
     params: list[nn.Parameter]

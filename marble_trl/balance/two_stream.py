@@ -224,7 +224,7 @@ def _prepare_input(module: nn.Module, args: tuple) -> tuple | None:
       inputs to the adapter's float32 first); the tap would otherwise keep the float32 input alive as well;
     - non-contiguous ``[B, N, in]`` inputs (SD3's ``to_out``/``to_add_out`` see slices of the joint attention output):
       matmul saves a contiguous copy, while the tap would keep the whole parent buffer alive.
-    Values and graph are unchanged; checked by tests/test_gram.py::test_capture_saves_no_extra_activations.
+    Values and graph are unchanged; checked by tests/test_engines.py::test_capture_saves_no_extra_activations.
     """
     if not torch.is_grad_enabled() or not args or not isinstance(args[0], Tensor):
         return None

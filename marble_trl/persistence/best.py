@@ -4,9 +4,9 @@
   ``{prefix}_composite`` (a scale-free summary of all evaluation rewards, usable as ``metric_for_best_model``),
   ``{prefix}_mean_reward`` (the plain mean of the rewards' means: MARBLE's release selects by it) and, from
   the second evaluation on, the hacking signal ``{prefix}_hacking/<name>`` (training reward up, held-out score down);
-- :func:`record_best_checkpoint`: points ``state.best_model_checkpoint`` at the real ``checkpoint-N`` folder (the
+- :func:`~marble_trl.trainer.checkpointing.record_best_checkpoint`: points ``state.best_model_checkpoint`` at the real ``checkpoint-N`` folder (the
   Trainer computes it from the staging folder of an atomic save, see :mod:`marble_trl.persistence.checkpoint`);
-- :func:`load_best_checkpoint`: ``load_best_model_at_end`` for a LoRA trainer: restores the adapters of the best
+- :func:`~marble_trl.trainer.checkpointing.load_best_checkpoint`: ``load_best_model_at_end`` for a LoRA trainer: restores the adapters of the best
   checkpoint (the Trainer's own ``_load_best_model`` looks for a full ``model.safetensors``);
 - :class:`RewardHackingCallback`: stops training after ``patience`` consecutive evaluations flag hacking.
 

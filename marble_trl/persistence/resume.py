@@ -9,7 +9,7 @@
   prompts (a fingerprint of the dataset) must be the same, unless ``resume_allow_changes`` names it: the run then
   continues with the new value (no longer identical to an uninterrupted run) and says so. ``learning_rate`` and
   ``weight_decay`` live in the restored optimizer state: when allowed, they are applied to it
-  (:func:`apply_changed_hyperparameters`), never recorded but ignored. Optimizer and schedule *types*
+  (:func:`~marble_trl.trainer.checkpointing.apply_changed_hyperparameters`), never recorded but ignored. Optimizer and schedule *types*
   (:data:`FROZEN_FIELDS`) cannot change on resume. Every other field (``max_steps``, logging, saving, evaluation,
   output) is free.
 """

@@ -5,7 +5,7 @@ does not use diffusers' ``DPMSolverMultistepScheduler``: it runs its own data-pr
 sigmas of the pipeline's own ``FlowMatchEulerDiscreteScheduler`` (SD3.5: shift 3; 10 steps end
 ``..., 0.278, 0.0089 -> 0``). diffusers' scheduler with flow sigmas builds another grid (10 steps end
 ``..., 0.4283, 0.2498 -> 0``): a large last jump that changes every ``x0`` the NFT loss trains on and every reward. So
-the model is evaluated exactly at the training grid's sigmas (``rollout.training_sigmas``), which DiffusionNFT's loss
+the model is evaluated exactly at the training grid's sigmas (``rollout.solvers.training_sigmas``), which DiffusionNFT's loss
 assumes.
 
 With flow matching ``x_sigma = (1 - sigma) x0 + sigma eps``, ``alpha = 1 - sigma`` and ``lambda = log(alpha / sigma)``.

@@ -1,6 +1,6 @@
 """One optimizer step as an object: :class:`StepSession`.
 
-The trainer opens a session from the step's rollouts (:meth:`~marble_trl.MarbleDiffusionNFTTrainer.start_step`) and
+The trainer opens a session from the step's rollouts (:meth:`~marble_trl.trainer.rollouts.RolloutHooks.start_step`) and
 closes it after the optimizer step. Everything the step decides lives here:
 
 - its micro-batches, a tuple that is never edited: ``training_step`` asks the session for micro-batch ``i`` (the
