@@ -40,7 +40,9 @@ def _in_process(worker: Path, out: Path, *args) -> list[dict]:
         return [_worker(worker).run(str(out), *args)]
 
 
-def _run(out: Path, nproc: int, per_device: int, grad_accum: int, steps: int, aggregation: str) -> list[dict]:
+def _run(
+    out: Path, nproc: int, per_device: int, grad_accum: int, steps: int, aggregation: str, policy: str = "lora"
+) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [
@@ -56,6 +58,7 @@ def _run(out: Path, nproc: int, per_device: int, grad_accum: int, steps: int, ag
         str(grad_accum),
         str(steps),
         aggregation,
+        policy,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -66,10 +69,11 @@ def _run(out: Path, nproc: int, per_device: int, grad_accum: int, steps: int, ag
 # Each group of 4 is split over the two processes (normalised over the whole group after gather). Groups that sit
 # on one process, data parallel with accumulation: tests/test_launchers.py (the multi-node template, DDP).
 @pytest.mark.parametrize("per_device, grad_accum", [(2, 2)])
-def test_two_processes_match_each_other_and_one_process(tmp_path, per_device, grad_accum):
+@pytest.mark.parametrize("policy", ["lora", "full"])  # full: use_peft=False, every weight of the transformer
+def test_two_processes_match_each_other_and_one_process(tmp_path, per_device, grad_accum, policy):
     steps = 3  # refreshes at steps 0 and 2, an amortised step between
-    two = _run(tmp_path / "two", 2, per_device, grad_accum, steps, "marble")
-    one = _in_process(WORKER, tmp_path / "one", per_device, 2 * grad_accum, steps, "marble")
+    two = _run(tmp_path / "two", 2, per_device, grad_accum, steps, "marble", policy)
+    one = _in_process(WORKER, tmp_path / "one", per_device, 2 * grad_accum, steps, "marble", policy)
     assert two[0]["world"] == 2 and one[0]["world"] == 1
     for name, p0 in two[0]["lora"].items():
         assert torch.equal(p0, two[1]["lora"][name]), f"ranks disagree on {name}"

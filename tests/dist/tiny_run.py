@@ -1,7 +1,8 @@
 """Worker for the multi-process tests: trains the tiny model and dumps this rank's LoRA and MARBLE state.
 
 Run under `torchrun` / `accelerate launch`: python tiny_run.py OUT_DIR PER_DEVICE GRAD_ACCUM MAX_STEPS AGGREGATION
-(or call :func:`run` in the test process for the one-process reference).
+[POLICY] (or call :func:`run` in the test process for the one-process reference). POLICY: lora (default) or full
+(use_peft=False, every weight of the transformer).
 """
 
 import sys
@@ -20,7 +21,7 @@ def contrast(prompts, images, **_):
     return images.float().mean(dim=1).flatten(1).std(dim=1).tolist()
 
 
-def run(out: str, per_device: int, grad_accum: int, max_steps: int, aggregation: str) -> dict:
+def run(out: str, per_device: int, grad_accum: int, max_steps: int, aggregation: str, policy: str = "lora") -> dict:
     """Train and return this rank's state (also saved as ``OUT_DIR/rank<i>.pt``)."""
     args = MarbleDiffusionNFTConfig(
         output_dir=out,
@@ -45,6 +46,7 @@ def run(out: str, per_device: int, grad_accum: int, max_steps: int, aggregation:
         multi_objective_aggregation=aggregation,
         marble_refresh_interval=2,
         marble_gradient_engine="auto",
+        use_peft=policy == "lora",
     )
     trainer = MarbleDiffusionNFTTrainer("tiny", [brightness, contrast], args=args, train_dataset=load_prompt_dataset())
     init = {n: p.detach().cpu().clone() for n, p in trainer.trainable_parameters().items()}
@@ -61,4 +63,4 @@ def run(out: str, per_device: int, grad_accum: int, max_steps: int, aggregation:
 
 
 if __name__ == "__main__":
-    run(*sys.argv[1:6])
+    run(*sys.argv[1:7])
