@@ -289,3 +289,34 @@ if __name__ == "__main__":  # print docs/check.md's generated block (run from an
             _user_files(recipe, Path(tmp))
         mp.chdir(tmp)
         print(docs_block(), end="")
+
+
+def _gib(text: str, item: str) -> float:
+    return float(re.search(rf"\| {re.escape(item)} \| ([\d.]+) \|", text).group(1))
+
+
+def test_full_finetuning_memory_counts_every_copy_and_refuses_sharded_launchers(workspace):
+    """use_peft false on SD3.5 Medium, DDP x 8: the trained weights, their bf16 reference, the old policy, gradients
+    and AdamW moments, the bucket, the EMA and MARBLE's K + 1 buffers, each a multiple of one fp32 copy; the fixes do
+    not propose ZeRO / FSDP2, which full fine-tuning refuses (and check reports it for a ZeRO launcher)."""
+    ddp = ["--accelerate_config", str(ROOT / "recipes/accelerate/multi_gpu.yaml"), "--num_processes", "8"]
+    _, text, report = _run("sd35m-marble-5rewards.yaml", *ddp, "--use_peft", "false", "--gpu_memory", "80GB")
+    one = _gib(text, "trained weights (fp32)")
+    assert "2,243.2 M params" in text and one == pytest.approx(2_243.2e6 * 4 / GIB, abs=0.01)
+    assert _gib(text, "reference: the loaded trained weights (bf16)") == pytest.approx(one / 2, abs=0.01)
+    assert _gib(text, "old policy (fp32 copy)") == one
+    assert _gib(text, "trained weights: gradients + optimizer moments") == pytest.approx(3 * one, abs=0.01)
+    assert _gib(text, "gradient bucket (DDP / DeepSpeed reduce)") == one
+    assert _gib(text, "parameter EMA (fp32)") == one
+    assert _gib(text, "MARBLE per-reward gradient buffers") == pytest.approx(6 * one, abs=0.02)
+    assert "LoRA" not in text.split("## Memory per GPU", 1)[1].split("\n\n##", 1)[0]
+    assert "does not fit" in text and not any("recipes/accelerate/" in f for f in report.fixes())
+    _, attention, _ = _run(
+        "sd35m-marble-5rewards.yaml", *ddp, "--use_peft", "false", "--full_finetune_modules", "to_q", "to_k", "to_v",
+        "to_out.0", "--gpu_memory", "80GB",
+    )  # fmt: skip
+    frozen, trained = _gib(attention, "frozen transformer weights (bf16)"), _gib(attention, "trained weights (fp32)")
+    assert 0 < trained < one and frozen + trained / 2 == pytest.approx(one / 2, abs=0.02)
+    zero = ["--accelerate_config", str(ROOT / "recipes/accelerate/deepspeed_zero2.yaml"), "--num_processes", "8"]
+    _, text, _ = _run("sd35m-marble-5rewards.yaml", *zero, "--use_peft", "false", "--gpu_memory", "80GB")
+    assert "[full fine-tuning] use_peft false runs on one process or DDP" in text

@@ -60,7 +60,7 @@ def candidates(m: MemoryInputs, micro_batches: list[int], rewards_on_gpu: list[s
             )
         )
     s = m.strategy
-    if s.processes > 1 and not s.shards_weights:
+    if s.processes > 1 and not s.shards_weights and not m.full:  # full fine-tuning: one process or DDP only
         for kind in ("zero3", "fsdp2"):
             out.append(
                 Fix(

@@ -124,6 +124,7 @@ class MemoryInputs:
     rewards_resident: int = 0  # bytes of reward models kept on the GPU
     rewards_visiting: int = 0  # bytes of the largest offloaded reward model, on the GPU during its own call
     reward_notes: tuple[str, ...] = ()
+    full: int = 0  # use_peft=False: the transformer's trained parameters (``lora`` is then 0)
 
     def replace(self, **changes) -> MemoryInputs:
         return dataclasses.replace(self, **changes)
@@ -167,22 +168,39 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
                 ("transformer root unit, kept whole", m.root * m.weight_bytes, f"{m.root / 1e6:,.1f} M params")
             )
         rows.append(("blocks being gathered (2)", 2 * m.block * m.weight_bytes, f"2 x {m.block / 1e6:,.1f} M params"))
+    elif m.full:  # full fine-tuning (one process or DDP): the trained weights become float32 copies
+        frozen = m.transformer - m.full
+        if frozen:
+            rows.append(
+                (f"frozen transformer weights ({dtype})", frozen * m.weight_bytes, f"{frozen / 1e6:,.1f} M params")
+            )
+        rows.append(("trained weights (fp32)", 4 * m.full, f"{m.full / 1e6:,.1f} M params x 4 B"))
+        rows.append((f"reference: the loaded trained weights ({dtype})", m.full * m.weight_bytes, "kept as loaded"))
+        rows.append(("old policy (fp32 copy)", 4 * m.full, "one fp32 copy of the trained weights"))
     else:
         rows.append((f"transformer weights ({dtype})", weights, f"{m.transformer / 1e6:,.1f} M params"))
-    lora = 4 * m.lora
-    adapters = 2 * lora / (n if s.kind == "fsdp2" and n > 1 else 1)
-    rows.append(("LoRA: trainable + old-policy adapters (fp32)", adapters, f"2 x {m.lora / 1e6:,.2f} M params x 4 B"))
-    states = m.lora * (4 + m.moment_bytes) / (n if s.shards_states else 1)
+    what = "trained weights" if m.full else "LoRA"
+    trained = m.full or m.lora
+    lora = 4 * trained
+    if not m.full:
+        adapters = 2 * lora / (n if s.kind == "fsdp2" and n > 1 else 1)
+        rows.append(
+            ("LoRA: trainable + old-policy adapters (fp32)", adapters, f"2 x {m.lora / 1e6:,.2f} M params x 4 B")
+        )
+    states = trained * (4 + m.moment_bytes) / (n if s.shards_states else 1)
     if s.offload_optimizer:
-        states = m.lora * 4 / (n if s.shards_states else 1)  # the gradients; moments in CPU RAM
+        states = trained * 4 / (n if s.shards_states else 1)  # the gradients; moments in CPU RAM
     shard = f" / {n}" if s.shards_states else ""
-    rows.append(("LoRA gradients + optimizer moments", states, f"(4 + {m.moment_bytes}) B x params{shard}"))
+    label = "trained weights: gradients + optimizer moments" if m.full else "LoRA gradients + optimizer moments"
+    rows.append((label, states, f"(4 + {m.moment_bytes}) B x params{shard}"))
     if (s.kind == "ddp" and n > 1) or s.kind in ("zero2", "zero3"):
-        rows.append(("gradient bucket (DDP / DeepSpeed reduce)", lora, "one fp32 copy of the LoRA gradients"))
+        rows.append(("gradient bucket (DDP / DeepSpeed reduce)", lora, f"one fp32 copy of the {what} gradients"))
     if m.param_ema:
-        rows.append(("parameter EMA (fp32)", lora, "one fp32 copy of the LoRA"))
+        rows.append(("parameter EMA (fp32)", lora, f"one fp32 copy of the {what}"))
     if m.marble_rows:
-        rows.append(("MARBLE per-reward gradient buffers", m.marble_rows * lora, f"(K + 1) = {m.marble_rows} x LoRA"))
+        rows.append(
+            ("MARBLE per-reward gradient buffers", m.marble_rows * lora, f"(K + 1) = {m.marble_rows} x {what}")
+        )
     rows.append((f"VAE ({dtype})", m.vae * m.weight_bytes, f"{m.vae / 1e6:,.1f} M params"))
     text = m.text_encoders * m.weight_bytes
     if m.text_resident:

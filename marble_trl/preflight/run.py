@@ -28,11 +28,18 @@ def run_checks(parsed, strategy: Strategy, gpu_memory: str | None, measure: bool
                      "add --reward_funcs NAME ... (docs/rewards.md lists the built-in rewards)")  # fmt: skip
     info = resolve_model(script_args.model_name_or_path, report, script_args.tiny_seed)
     lora_params = summary = None
+    full_params = 0
     if info is not None:
         check_family_needs(info, args, report, check_resolution)
-        peft_config = lora_config(args, default_targets=tuple(info.family.default_lora_targets))
         transformer, summary = transformer_of(info)
-        if check_lora_targets(transformer, peft_config, report):
+        if not args.use_peft:
+            full_params = _full_finetuning(transformer, args, strategy, report)
+            lora_params = 0 if full_params else None
+        elif check_lora_targets(
+            transformer,
+            peft_config := lora_config(args, default_targets=tuple(info.family.default_lora_targets)),
+            report,
+        ):
             try:
                 lora_params = lora_count(info, peft_config)
             except ValueError as err:  # peft's own refusal
@@ -46,7 +53,7 @@ def run_checks(parsed, strategy: Strategy, gpu_memory: str | None, measure: bool
     _batching(args, parsed, strategy, report)
     if info is not None and lora_params is not None and summary is not None and info.frozen is not None:
         k = len(script_args.reward_funcs)
-        _memory(info, args, parsed, strategy, summary, lora_params, sizes, gpu_memory, k, report)
+        _memory(info, args, parsed, strategy, summary, lora_params, sizes, gpu_memory, k, report, full_params)
     elif strategy.kind != "cpu":
         report.warning("memory", "memory per GPU not estimated (the model's sizes are unknown, see above).")
     if measure and report.errors:
@@ -204,7 +211,26 @@ def _batching(args, parsed, strategy: Strategy, report: Report) -> None:
                 report.findings[i] = dataclasses.replace(f, message=message, fix=fix)
 
 
-def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: int, report: Report) -> None:
+def _full_finetuning(transformer, args, strategy: Strategy, report: Report) -> int:
+    """``use_peft=False``: the trained parameters (0 after an error), and the launcher's check."""
+    from ..policy.full import full_parameters
+
+    if strategy.kind in ("zero2", "zero3", "fsdp2"):
+        report.error(
+            "full fine-tuning",
+            f"use_peft false runs on one process or DDP; the accelerate config launches {strategy.label}.",
+            "launch with a DDP config (recipes/accelerate/), or train a LoRA (use_peft true)",
+        )
+    count = sum(p.numel() for p in full_parameters(transformer, args.full_finetune_modules).values())
+    if not count:
+        report.error("full fine-tuning", f"full_finetune_modules={args.full_finetune_modules} matched no module.",
+                     "name modules as lora_target_modules does, or leave it unset to train every weight")  # fmt: skip
+    else:
+        report.note("full fine-tuning", f"{count / 1e6:,.1f} M trained parameters (use_peft false).")
+    return count
+
+
+def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: int, report: Report, full=0) -> None:
     from ..balance.registry import AGGREGATIONS
     from ..commands.train import _resolve_dtype
     from ..trainer.setup import resolve_aggregation
@@ -233,7 +259,7 @@ def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: i
         checkpointing=bool(args.activation_checkpointing or args.gradient_checkpointing), param_ema=args.param_ema,
         marble_rows=(k + 1) if balancer and k > 1 else 0, moment_bytes=moments,
         text_resident=not (args.offload_text_encoders or args.cache_prompt_embeddings),
-        rewards_resident=sizes.resident, rewards_visiting=sizes.visiting, reward_notes=tuple(sizes.notes),
+        rewards_resident=sizes.resident, rewards_visiting=sizes.visiting, reward_notes=tuple(sizes.notes), full=full,
     )  # fmt: skip
     estimate = estimate_memory(inputs)
     capacity = _capacity(gpu_memory, report)
