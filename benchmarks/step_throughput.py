@@ -43,6 +43,9 @@ CONFIGS = {
     },
     "marble_n10_estimated": {"multi_objective_aggregation": "marble", "marble_refresh_interval": 10, "subset": True},
     "marble_n1_estimated": {"multi_objective_aggregation": "marble", "marble_refresh_interval": 1, "subset": True},
+    # full fine-tuning (use_peft=False, every weight of the transformer) against the LoRA rows (docs/models.md)
+    "weighted_sum_full": {"multi_objective_aggregation": "sum_then_normalize", "use_peft": False},
+    "marble_n10_full": {"multi_objective_aggregation": "marble", "marble_refresh_interval": 10, "use_peft": False},
     # the authors' released procedure: a refresh is one (micro-batch, timestep) pair (docs/marble.md)
     "marble_released": {
         "multi_objective_aggregation": "marble",
@@ -163,9 +166,11 @@ def summarise(results: dict[str, list[dict]], spread_warning: float) -> tuple[li
                 f"{name}: the rounds disagree (throughput ratio {row['speed_min']:.3f}-{row['speed_max']:.3f}x): the "
                 "machine was busy or noisy; rerun on an idle machine before quoting the ratio."
             )
+    # equal calls cost alike only for the same trained weights: a full fine-tune's calls have no LoRA matmuls
     same = [
         r for r in rows if (r["grad_calls"], r["no_grad_calls"]) == (rows[0]["grad_calls"], rows[0]["no_grad_calls"])
-    ]
+        and CONFIGS.get(r["config"], {}).get("use_peft", True)
+    ]  # fmt: skip
     for r in same[1:]:
         if abs(r["speed"] - 1.0) > spread_warning:
             warnings.append(

@@ -168,7 +168,12 @@ def test_recipe_trains_as_written_on_its_family_tiny_model(recipe, tmp_path, sta
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["global_step"] == overrides["max_steps"]
     assert torch.isfinite(torch.tensor(summary["train_loss"]))
-    assert (out / "pytorch_lora_weights.safetensors").is_file()
+    if raw.get("use_peft", True):
+        assert (out / "pytorch_lora_weights.safetensors").is_file()
+    else:  # full fine-tuning: the whole transformer as a diffusers model folder
+        assert (out / "transformer" / "config.json").is_file() and not (
+            out / "pytorch_lora_weights.safetensors"
+        ).exists()
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [entry for entry in logged if "loss" in entry]
     rewards = raw["reward_funcs"]
