@@ -5,6 +5,8 @@ gives the trainer's outputs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from tiny import brightness, contrast, tiny_args
@@ -268,3 +270,77 @@ def _sampling(trainer) -> dict:
     args = trainer.args
     return dict(num_inference_steps=args.num_sample_steps, resolution=args.resolution, scheduler=args.sample_scheduler,
                 max_sequence_length=args.max_sequence_length, guidance_scale=args.guidance_scale)  # fmt: skip
+
+
+def test_a_failed_full_run_leaves_an_emergency_checkpoint_that_resumes(tmp_path):
+    """A reward failing in step 3: the emergency checkpoint of step 2 holds the trained transformer, the old policy
+    and the EMA (all checked finite), validates, and a resumed run finishes."""
+    from marble_trl.persistence.resume import validate_checkpoint
+
+    calls, poison = [], []
+
+    def failing(prompts, images, **_):
+        calls.append(1)
+        if len(calls) == 3:
+            for policy in poison:  # the old policy's copy goes NaN after two completed steps
+                with torch.no_grad():
+                    policy.old[policy.names[0]].fill_(float("nan"))
+            raise RuntimeError("reward server went away")
+        return brightness(prompts, images)
+
+    failing.__name__ = "brightness"  # the resumed run's reward has the same name
+    args = tiny_args(tmp_path / "run", use_peft=False, max_steps=4, param_ema=True, beta=0.01)
+    trainer = MarbleDiffusionNFTTrainer("tiny", [failing, contrast], args=args, train_dataset=load_prompt_dataset())
+    with pytest.raises(Exception, match="reward server went away"):
+        trainer.train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert trainer.emergency_checkpoint == str(checkpoint)
+    validate_checkpoint(checkpoint)
+    assert (checkpoint / "transformer" / "config.json").is_file() and (checkpoint / "old_policy.safetensors").is_file()
+    resumed = MarbleDiffusionNFTTrainer("tiny", [brightness, contrast], args=args, train_dataset=load_prompt_dataset())
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+
+    # a trained weight gone NaN before the failure: no emergency checkpoint (it would resume NaN)
+    calls.clear()
+    args = tiny_args(tmp_path / "nan", use_peft=False, max_steps=4, beta=0.01)
+    broken = MarbleDiffusionNFTTrainer("tiny", [failing, contrast], args=args, train_dataset=load_prompt_dataset())
+    poison.append(broken.full_policy)
+    with pytest.raises(Exception, match="reward server went away"):
+        broken.train()
+    assert broken.state.global_step == 2
+    assert broken.emergency_checkpoint is None and not (tmp_path / "nan" / "checkpoint-2").exists()
+
+
+def test_the_cli_fine_tunes_another_family_whose_folder_plain_diffusers_loads(tmp_path):
+    """tiny FLUX through `marble-trl train --use_peft false`: its transformer/ loads with diffusers' FluxTransformer2DModel
+    and `generate` (marble_trl.json's sampling) draws what the loaded transformer draws in the family's sampler."""
+    from diffusers import FluxTransformer2DModel
+
+    from marble_trl.cli import main
+    from marble_trl.publish.export import generate_images
+
+    out = tmp_path / "run"
+    argv = ["train", "--model_name_or_path", "tiny-flux", "--reward_funcs", "brightness", "jpeg_compressibility"]
+    argv += ["--max_steps", "2", "--output_dir", str(out), "--resolution", "16", "--num_generations", "2"]
+    argv += ["--prompts_per_step", "2", "--per_device_train_batch_size", "4", "--num_sample_steps", "2"]
+    argv += ["--max_sequence_length", "8", "--learning_rate", "1e-3", "--report_to", "none", "--use_cpu", "true"]
+    argv += ["--sample_grid_prompts", "0", "--eval_before_after", "false", "--sample_scheduler", "euler"]
+    assert main([*argv, "--use_peft", "false"]) == 0
+    assert not (out / "pytorch_lora_weights.safetensors").exists()
+    fresh = load_model("tiny-flux")
+    base = dict(fresh.transformer.named_parameters())
+    fresh.pipeline.transformer = FluxTransformer2DModel.from_pretrained(str(out / "transformer"))
+    tuned = dict(fresh.transformer.named_parameters())
+    assert all(tuned[n].shape == p.shape for n, p in base.items())
+    assert sum(not torch.equal(tuned[n], p) for n, p in base.items()) > len(base) // 2  # every weight trained
+    cond = fresh.encode(PROMPTS, 8, CPU, 3.5)
+    guidance = json.loads((out / "marble_trl.json").read_text())["sampling"]["guidance_scale"]
+    cond = fresh.encode(PROMPTS, 8, CPU, guidance)
+    latents = fresh.sample(make_scheduler("euler", fresh.pipeline.scheduler), cond, 2, 16,
+                           torch.Generator().manual_seed(3), guidance)  # fmt: skip
+    expected = fresh.decode(latents)
+    torch.testing.assert_close(generate_images("tiny-flux", PROMPTS, out, seed=3), expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(generate_images("tiny-flux", PROMPTS, None, seed=3, num_inference_steps=2,
+                                              resolution=16, scheduler="euler", max_sequence_length=8,
+                                              guidance_scale=guidance), expected, atol=1e-4)  # fmt: skip

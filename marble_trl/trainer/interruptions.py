@@ -152,11 +152,15 @@ def save_emergency_checkpoint(trainer: Trainer, error: BaseException) -> str | N
     elif folder.is_dir():
         reason = f"{folder} already exists"
     else:
-        tensors = {n: p.detach() for n, p in trainer.transformer.named_parameters() if "lora_" in n}
+        if trainer.full_policy is not None:  # full fine-tuning: the trained weights and their old-policy copy
+            tensors = {n: p.detach() for n, p in trainer.trainable_parameters().items()}
+            tensors.update({f"old.{n}": t for n, t in trainer.full_policy.old.items()})
+        else:  # both adapters
+            tensors = {n: p.detach() for n, p in trainer.transformer.named_parameters() if "lora_" in n}
         if trainer.param_ema is not None:
             tensors.update({f"ema.{n}": t for n, t in trainer.param_ema.state_dict().items()})
         if non_finite_tensors(tensors):
-            reason = "an adapter or the EMA is not finite"
+            reason = "a trained weight, the old policy or the EMA is not finite"
     if reason is not None:
         logger.error(
             "Training failed at step %d (%s: %s); no emergency checkpoint: %s.",
