@@ -236,7 +236,8 @@ class MarbleDiffusionNFTConfig(BaseConfig):
             "help": "Non-finite guard: a step whose loss, gradients or update is NaN/inf is skipped (parameters, "
             "optimizer state, old policy and EMA unchanged; counted in nonfinite/skipped_steps); this many "
             "consecutive skips stop the run with an error. 0: stop at the first. Keeping the last finite state "
-            "costs one copy of the LoRA and its optimizer state per step."
+            "costs one copy of the trained weights and their optimizer state per step (on the accelerator for a LoRA, "
+            "in host memory under full fine-tuning)."
         },
     )
     overwrite_output_dir: bool = field(

@@ -36,11 +36,11 @@ def _inputs(adapter, n: int, dtype=torch.float32, seed: int = 1):
     return cond, x0, add_noise(x0, eps, t), t, torch.randn(shape, generator=g, dtype=dtype)
 
 
-def _perturb(params: dict[str, torch.nn.Parameter], seed: int) -> None:
+def _perturb(params: dict[str, torch.nn.Parameter], seed: int, size: float = 0.01) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in params.values():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.01)
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * size)
 
 
 def test_old_policy_and_reference_forwards_are_those_of_their_weights_and_swap_back():
@@ -110,9 +110,34 @@ def test_soft_update_and_ema_follow_the_formula_in_float32():
         exact = old0[n].double() * 0.75 + p.detach().double() * 0.25
         torch.testing.assert_close(ema.shadow[n].double(), exact, rtol=3e-7, atol=1e-9)
     before = {n: p.detach().clone() for n, p in trained.items()}
-    with ema.swapped_in(transformer):
-        assert all(torch.equal(p, ema.shadow[n]) for n, p in trained.items())
+    shadow = {n: t.clone() for n, t in ema.shadow.items()}
+    with ema.swapped_in(transformer):  # a pointer swap: no copy of the transformer
+        assert all(torch.equal(p, shadow[n]) for n, p in trained.items())
     assert all(torch.equal(p, before[n]) for n, p in trained.items())
+    assert all(torch.equal(ema.shadow[n], shadow[n]) for n in shadow)  # the EMA is intact afterwards
+
+
+def test_v_ref_after_v_old_in_one_autocast_region_is_the_references():
+    """An fp32 model under bf16 autocast: autocast caches its bf16 copy of a float32 parameter by the parameter, which
+    a .data swap keeps; the swap clears the cache, so the reference forward does not reuse the old policy's weights
+    (timestep_inputs computes both in one autocast region)."""
+    adapter = load_model("tiny")
+    transformer = adapter.transformer
+    policy = FullPolicy(transformer, None)
+    _perturb(policy.trainable(transformer), 2, 0.05)
+    policy.update(transformer, 0.0)  # old = trained != reference
+    _perturb(policy.trainable(transformer), 3, 0.05)
+    cond, _, x_t, t, _ = _inputs(adapter, 2)
+    region = torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.no_grad():
+        with region:
+            with use_old_weights(transformer):
+                v_old = adapter.predict(transformer, x_t, t, cond)
+            with use_reference_weights(transformer):
+                v_ref = adapter.predict(transformer, x_t, t, cond)
+        with torch.autocast("cpu", dtype=torch.bfloat16), use_reference_weights(transformer):
+            alone = adapter.predict(transformer, x_t, t, cond)
+    assert torch.equal(v_ref, alone) and not torch.allclose(v_ref, v_old, atol=0.1)
 
 
 def test_modules_that_match_nothing_are_refused_with_the_field_named():
@@ -124,11 +149,14 @@ def test_modules_that_match_nothing_are_refused_with_the_field_named():
     )
 
 
+@pytest.mark.parametrize("targets", [None, ATTENTION], ids=["every_weight", "attention"])
 @pytest.mark.parametrize("name", ["tiny", "tiny-flux"])
-def test_per_reward_gradients_over_full_weights_equal_explicit_autograd_float64(name):
+def test_per_reward_gradients_over_full_weights_equal_explicit_autograd_float64(name, targets):
+    """The engines over the transformer's own weights: every weight (convolutions and norms included: `auto` takes
+    the reference engine, K backward passes) or the attention's Linear layers (`auto` takes the two-stream engine)."""
     adapter = load_model(name, torch_dtype=torch.float64)
     transformer = adapter.transformer.double()
-    policy = FullPolicy(transformer, None)
+    policy = FullPolicy(transformer, targets)
     assert all(p.dtype == torch.float32 for p in policy.trainable(transformer).values())
     transformer.double()  # the policy's float32 weights, back to float64 for an exact comparison
     params = list(policy.trainable(transformer).values())
@@ -148,15 +176,16 @@ def test_per_reward_gradients_over_full_weights_equal_explicit_autograd_float64(
         )
     expected = torch.stack(expected)
     assert expected.abs().max() > 1e-8
-    engine = make_gradient_engine("reference", params, 3, transformer)
-    with engine.capture(transformer):
-        lt = terms()
-        engine.accumulate(lt.loss_pos, lt.loss_neg, r, 1.0)
-    assert torch.equal(engine.buffers.double(), expected) or (
-        (engine.buffers - expected).abs().max() / expected.abs().max() < 1e-12
-    )
-    gram = expected @ expected.T
-    torch.testing.assert_close(engine.buffers.double() @ engine.buffers.double().T, gram, rtol=1e-10, atol=0)
+    auto = make_gradient_engine("auto", params, 3, transformer)
+    assert type(auto).__name__ == ("ReferenceGradientEngine" if targets is None else "TwoStreamGradientEngine")
+    # two-stream: float32 islands of diffusers (RMSNorm variances, rotary embeddings) bound it to ~1e-8 (test_families)
+    for engine, tol in ((make_gradient_engine("reference", params, 3, transformer), 1e-12), (auto, 1e-7)):
+        with engine.capture(transformer):
+            lt = terms()
+            engine.accumulate(lt.loss_pos, lt.loss_neg, r, 1.0)
+        assert (engine.buffers - expected).abs().max() / expected.abs().max() < tol, type(engine).__name__
+        gram = expected @ expected.T
+        torch.testing.assert_close(engine.buffers @ engine.buffers.T, gram, rtol=10 * tol, atol=1e-12)
 
 
 def _train(tmp_path, name: str, **overrides) -> MarbleDiffusionNFTTrainer:
@@ -301,7 +330,7 @@ def test_a_failed_full_run_leaves_an_emergency_checkpoint_that_resumes(tmp_path)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 4
 
-    # a trained weight gone NaN before the failure: no emergency checkpoint (it would resume NaN)
+    # the old policy's copy gone NaN before the failure: no emergency checkpoint (it would resume NaN)
     calls.clear()
     args = tiny_args(tmp_path / "nan", use_peft=False, max_steps=4, beta=0.01)
     broken = MarbleDiffusionNFTTrainer("tiny", [failing, contrast], args=args, train_dataset=load_prompt_dataset())
@@ -334,7 +363,6 @@ def test_the_cli_fine_tunes_another_family_whose_folder_plain_diffusers_loads(tm
     tuned = dict(fresh.transformer.named_parameters())
     assert all(tuned[n].shape == p.shape for n, p in base.items())
     assert sum(not torch.equal(tuned[n], p) for n, p in base.items()) > len(base) // 2  # every weight trained
-    cond = fresh.encode(PROMPTS, 8, CPU, 3.5)
     guidance = json.loads((out / "marble_trl.json").read_text())["sampling"]["guidance_scale"]
     cond = fresh.encode(PROMPTS, 8, CPU, guidance)
     latents = fresh.sample(make_scheduler("euler", fresh.pipeline.scheduler), cond, 2, 16,
@@ -344,3 +372,50 @@ def test_the_cli_fine_tunes_another_family_whose_folder_plain_diffusers_loads(tm
     assert not torch.allclose(generate_images("tiny-flux", PROMPTS, None, seed=3, num_inference_steps=2,
                                               resolution=16, scheduler="euler", max_sequence_length=8,
                                               guidance_scale=guidance), expected, atol=1e-4)  # fmt: skip
+
+
+def test_a_bf16_model_trains_float32_weights_and_keeps_its_own_tensors_as_reference(tmp_path):
+    """bf16 loading: the trained weights become float32 copies, the reference is the loaded bf16 tensors themselves
+    (no copy); without bf16 / fp16 autocast the trainer refuses the run, naming the fix. (The bf16 forward itself is
+    not run here: CPU autocast leaves a convolution's float32 bias uncast, which CUDA autocast casts.)"""
+    adapter = load_model("tiny", torch_dtype=torch.bfloat16)
+    transformer = adapter.transformer
+    storage = {n: p.data_ptr() for n, p in transformer.named_parameters()}
+    policy = FullPolicy(transformer, None)
+    trained = policy.trainable(transformer)
+    assert all(p.dtype == torch.float32 for p in trained.values())
+    assert all(policy.reference[n].dtype == torch.bfloat16 and policy.reference[n].data_ptr() == storage[n]
+               for n in trained)  # fmt: skip
+    with pytest.raises(ValueError, match="Set bf16 true \\(or fp16\\), or load the model in float32"):
+        MarbleDiffusionNFTTrainer(
+            load_model("tiny", torch_dtype=torch.bfloat16).pipeline, [brightness],
+            args=tiny_args(tmp_path, use_peft=False), train_dataset=load_prompt_dataset(),
+        )  # fmt: skip
+
+
+def test_a_non_finite_update_of_the_full_weights_is_rolled_back_from_the_host_copy(tmp_path):
+    """An update that overflows (an infinite learning rate in step 2): the trained weights and the AdamW state come
+    back from the guard's copy, which full fine-tuning keeps in host memory, and training goes on."""
+    from transformers import TrainerCallback
+
+    class Overflow(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = float("inf") if state.global_step == 1 else args.learning_rate
+
+    args = tiny_args(tmp_path, use_peft=False, max_steps=3, max_nonfinite_skips=1, lr_scheduler_type="constant",
+                     learning_rate=1e-3)  # fmt: skip
+    trainer = MarbleDiffusionNFTTrainer("tiny", [brightness, contrast], args=args, train_dataset=load_prompt_dataset(),
+                                        callbacks=[Overflow()])  # fmt: skip
+    trainer.train()
+    assert trainer.nonfinite_guard.total == 1 and trainer.state.global_step == 3
+    assert all(torch.isfinite(p).all() for p in trainer.trainable_parameters().values())
+    values, _ = trainer.nonfinite_guard._snapshot
+    assert all(v.device.type == "cpu" for v in values.values())
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    for p, s in inner.state.items():
+        assert all(
+            torch.isfinite(v).all() and v.device == p.device
+            for k, v in s.items()
+            if torch.is_tensor(v) and k != "step"
+        )

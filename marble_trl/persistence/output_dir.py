@@ -30,7 +30,7 @@ from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..artifacts import EXPORT_CONFIG_FILE, LOCK_FILE, LORA_FILE
+from ..artifacts import EXPORT_CONFIG_FILE, LOCK_FILE, LORA_FILE, TRANSFORMER_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -156,10 +156,12 @@ def check_not_overwriting(output_dir: str | os.PathLike, resuming: bool, overwri
     if resuming or overwrite or not folder.is_dir():
         return
     checkpoints = sorted(p.name for p in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir())
-    if not checkpoints and (folder / LORA_FILE).is_file() and (folder / EXPORT_CONFIG_FILE).is_file():
+    trained = folder / LORA_FILE if (folder / LORA_FILE).is_file() else folder / TRANSFORMER_DIR / "config.json"
+    if not checkpoints and trained.is_file() and (folder / EXPORT_CONFIG_FILE).is_file():
+        name = LORA_FILE if trained.name == LORA_FILE else TRANSFORMER_DIR  # a LoRA, or a full fine-tune's folder
         raise FileExistsError(
-            f"output_dir {str(folder)!r} already holds a finished run (its {LORA_FILE} and {EXPORT_CONFIG_FILE}): a "
-            "new run would replace its LoRA. Write over it with overwrite_output_dir=True (--overwrite_output_dir "
+            f"output_dir {str(folder)!r} already holds a finished run (its {name} and {EXPORT_CONFIG_FILE}): a "
+            "new run would replace its weights. Write over it with overwrite_output_dir=True (--overwrite_output_dir "
             "true), or choose another output_dir."
         )
     if checkpoints:

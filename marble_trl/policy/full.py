@@ -88,15 +88,26 @@ class FullPolicy:
 
     @contextlib.contextmanager
     def swapped(self, transformer: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
-        """Run the transformer on ``weights`` (by parameter name) instead of the trained ones."""
+        """Run the transformer on ``weights`` (by parameter name) instead of the trained ones.
+
+        A copy left behind by a device move of the model (``Trainer`` / accelerate move the parameters, not these
+        dicts) follows its parameter here, once. Autocast caches its low-precision copy of a float32 parameter by the
+        parameter itself, which a ``.data`` swap keeps: the cache is cleared on both sides of the swap, or a second
+        forward in the same autocast region (``v_ref`` after ``v_old``) would reuse the first one's weights."""
         params = self.trainable(transformer)
-        for name, param in params.items():
-            param.data, weights[name] = weights[name], param.data
+        swapped: list[tuple[str, nn.Parameter]] = []
+        torch.clear_autocast_cache()
         try:
+            for name, param in params.items():
+                if weights[name].device != param.device:
+                    weights[name] = weights[name].to(param.device)
+                param.data, weights[name] = weights[name], param.data
+                swapped.append((name, param))
             yield
         finally:
-            for name, param in params.items():
+            for name, param in reversed(swapped):
                 param.data, weights[name] = weights[name], param.data
+            torch.clear_autocast_cache()
 
     def use_old(self, transformer: nn.Module) -> contextlib.AbstractContextManager[None]:
         return self.swapped(transformer, self.old)
@@ -108,6 +119,8 @@ class FullPolicy:
     def update(self, transformer: nn.Module, eta: float) -> None:
         """``theta_old <- eta theta_old + (1 - eta) theta`` in float32 (eta = 0 copies the trained weights)."""
         for name, param in self.trainable(transformer).items():
+            if self.old[name].device != param.device:  # the model moved after the policy was built
+                self.old[name] = self.old[name].to(param.device)
             self.old[name].mul_(eta).add_(param.detach(), alpha=1.0 - eta)
 
     def reset(self) -> None:
@@ -134,10 +147,19 @@ def attached_policy(transformer: nn.Module) -> FullPolicy | None:
 
 class FullEMA(LoraEMA):
     """The parameter EMA of a fully fine-tuned transformer: :class:`~.lora.LoraEMA` over the trained weights (it
-    overrides ``_params``, the weights averaged)."""
+    overrides ``_params``, the weights averaged, and ``swapped_in``, a pointer swap)."""
 
     def _params(self, transformer: nn.Module) -> dict[str, nn.Parameter]:
+        return self._policy(transformer).trainable(transformer)
+
+    @staticmethod
+    def _policy(transformer: nn.Module) -> FullPolicy:
         policy = attached_policy(transformer)
         if policy is None:
             raise RuntimeError("FullEMA needs a fully fine-tuned transformer (FullPolicy attaches itself to it).")
-        return policy.trainable(transformer)
+        return policy
+
+    def swapped_in(self, transformer: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """The EMA's weights swapped in by pointer (LoRA's copies the trained values aside: here that would be one
+        more whole copy of the transformer)."""
+        return self._policy(transformer).swapped(transformer, self.shadow)

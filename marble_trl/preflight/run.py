@@ -281,7 +281,13 @@ def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: i
     fixes, need, fits = plan_fixes(inputs, target, micro_batches, sizes.on_gpu)
     add = report.error if v == "does not fit" else report.warning
     if not fits:  # what the savers cannot reach: a bigger GPU, then the savers that shrink what it must hold
-        bigger = f"use GPUs with at least {math.ceil(need / GIB)} GiB, or more GPUs with a sharded strategy"
+        bigger = f"use GPUs with at least {math.ceil(need / GIB)} GiB" + (
+            ", or fewer rewards / another aggregation (MARBLE keeps K + 1 copies of the trained weights)"
+            if full and inputs.marble_rows
+            else ""
+            if full
+            else ", or more GPUs with a sharded strategy"
+        )  # full fine-tuning: one process or DDP
         saved = f"; with the fixes below it still needs {need / GIB:.1f} GiB" if fixes else ""
         add("memory", f"{v}: {where}{saved}.", (bigger, *fixes))
         return

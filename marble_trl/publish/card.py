@@ -68,6 +68,8 @@ CARD_CONFIG_FIELDS = [
     "lora_r",
     "lora_alpha",
     "lora_target_modules",
+    "use_peft",
+    "full_finetune_modules",
     "sample_scheduler",
     "num_sample_steps",
     "guidance_scale",
@@ -76,6 +78,8 @@ CARD_CONFIG_FIELDS = [
     "fp16",
     "seed",
 ]
+
+FULL_FIELDS = ("use_peft", "full_finetune_modules")  # a full fine-tune's card shows these instead of the lora_* fields
 
 
 @dataclass
@@ -228,7 +232,7 @@ def _usage_snippet(info: CardInfo) -> str:
         load = (
             "from marble_trl.models import load_model\n\n"
             f'pipe = load_model("{base}", tiny_seed={info.tiny_seed or 0}).pipeline  # the offline tiny model this '
-            "LoRA was trained on"
+            f"{'model' if info.lora_format == 'full' else 'LoRA'} was trained on"
         )
     else:
         load = (
@@ -347,7 +351,8 @@ def render_model_card(info: CardInfo) -> str:
         parts += text
     elif multi:
         parts += ["## Aggregation", f"The rewards were combined with `{info.aggregation}` (no MARBLE balancing)."]
-    config_rows = [[f"`{k}`", info.training_args[k]] for k in CARD_CONFIG_FIELDS if k in info.training_args]
+    shown = [k for k in CARD_CONFIG_FIELDS if not (k.startswith("lora_") if full else k in FULL_FIELDS)]
+    config_rows = [[f"`{k}`", info.training_args[k]] for k in shown if k in info.training_args]
     config_rows.insert(0, ["optimizer steps", info.global_step])
     parts += ["## Training configuration", _table(["setting", "value"], config_rows)]
     if info.dataset_name:
@@ -357,13 +362,14 @@ def render_model_card(info: CardInfo) -> str:
         captions = "\n".join(f"{i + 1}. {prompt}" for i, (_, prompt) in enumerate(info.samples))
         parts += [
             "## Samples",
-            f"Generated with this LoRA ({info.weights} weights), seed 0:\n\n{images}\n\n{captions}",
+            f"Generated with this {kind} ({info.weights} weights), seed 0:\n\n{images}\n\n{captions}",
         ]
     else:
         parts += ["## Samples", "No sample images were rendered for this folder (see `marble-trl generate`)."]
     parts += [
         "## Framework",
-        f"marble_trl {__version__}: TRL's trainer base, diffusers pipelines, PEFT LoRA.",
+        f"marble_trl {__version__}: TRL's trainer base, diffusers pipelines"
+        + (", full fine-tuning of the transformer." if full else ", PEFT LoRA."),
         "## Citations",
         f"MARBLE (arXiv 2605.06507):\n\n```bibtex\n{MARBLE_CITATION}\n```",
         f"DiffusionNFT (arXiv 2509.16117):\n\n```bibtex\n{DIFFUSIONNFT_CITATION}\n```",

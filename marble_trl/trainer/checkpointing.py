@@ -330,7 +330,7 @@ def load_best_checkpoint(trainer: Trainer) -> None:
     files = read_manifest(folder)["files"]
     transformer = trainer.transformer
     if trainer.full_policy is not None:
-        load_full_state(trainer, folder, files)
+        load_full_state(trainer, folder, files, resume=False)
         return
     load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
     load_adapter_state(transformer, OLD_ADAPTER, folder / files["old_policy"])
@@ -368,18 +368,19 @@ def trained_lora_layers(
         return {name: full_tensor(value).cpu().clone() for name, value in masters.items()}  # FSDP2: gathered
 
 
-def load_full_state(trainer: Trainer, folder: Path, files: dict[str, Any]) -> None:
-    """Full fine-tuning: the trained weights (``transformer/``), the old policy, the EMA and the balancer."""
+def load_full_state(trainer: Trainer, folder: Path, files: dict[str, Any], resume: bool = True) -> None:
+    """Full fine-tuning: the trained weights (``transformer/``), the old policy and the EMA; on a resume also the
+    balancer (``load_best_model_at_end`` keeps the final coefficients, as the LoRA path does)."""
     from safetensors.torch import load_file
 
     load_trained_weights(trainer.trainable_parameters(), folder)
     trainer.full_policy.load_old(load_file(str(folder / files["old_policy"])))
-    if trainer.param_ema is not None:
-        if not files.get("param_ema"):
-            raise ValueError(f"{folder} has no parameter EMA (trained with param_ema=False); this trainer has one.")
+    if trainer.param_ema is not None and files.get("param_ema"):
         trainer.param_ema.load_state_dict(load_file(str(folder / files["param_ema"])))
-    if trainer.balancer is not None and files.get("balancer"):
+    elif trainer.param_ema is not None and resume:
+        raise ValueError(f"{folder} has no parameter EMA (trained with param_ema=False); this trainer has one.")
+    elif files.get("param_ema") and resume:
+        logger.warning("%s holds a parameter EMA but this trainer has param_ema=False: the EMA is dropped.", folder)
+    if resume and trainer.balancer is not None:
         trainer.balancer.load_state_dict(json.loads((folder / files["balancer"]).read_text(encoding="utf-8")))
-    logger.info(
-        "Restored the trained transformer weights, old policy%s from %s.", " and EMA" * bool(trainer.param_ema), folder
-    )
+    logger.info("Restored the trained transformer weights and the old policy from %s.", folder)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import Trainer
 
-from ..artifacts import LORA_FILE, PUSH_IGNORE, SAMPLES_DIR
+from ..artifacts import LORA_FILE, PUSH_IGNORE, SAMPLES_DIR, TRANSFORMER_DIR
 from ..evaluation.samples import save_samples
 from ..models import tiny_seed_of
 from ..models.tiny import is_tiny
@@ -145,7 +145,10 @@ def push_checkpoint(trainer: Trainer, checkpoint_folder: str) -> None:
         return
     trainer.callback_handler.on_push_begin(args, trainer.state, trainer.control)
     output_dir = Path(args.output_dir)
-    shutil.copy(Path(checkpoint_folder) / LORA_FILE, output_dir / LORA_FILE)
+    if trainer.full_policy is not None:  # full fine-tuning: the checkpoint's transformer/ folder
+        shutil.copytree(Path(checkpoint_folder) / TRANSFORMER_DIR, output_dir / TRANSFORMER_DIR, dirs_exist_ok=True)
+    else:
+        shutil.copy(Path(checkpoint_folder) / LORA_FILE, output_dir / LORA_FILE)
     trainer.create_model_card()
     api = hub_api(token=args.hub_token)
     message = f"Training in progress, step {trainer.state.global_step}"

@@ -3,6 +3,7 @@ the aggregation, the evaluation rewards and the prompt sources' ratios. Each che
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import Any
@@ -225,12 +226,17 @@ def unreached_trainable(adapter, transformer: torch.nn.Module, params: dict[str,
     computed never influences the output, whatever the inputs (e.g. a LoRA on Qwen-Image's last block's text-stream
     projections, whose output the model discards)."""
     device = next(transformer.parameters()).device
-    with torch.no_grad():
+    # float32 trained weights in a bf16 / fp16 model (full fine-tuning) run under autocast, as training does
+    dtypes = {p.dtype for p in transformer.parameters()}
+    low = next((d for d in (torch.bfloat16, torch.float16) if d in dtypes), None)
+    mixed = low is not None and torch.float32 in dtypes
+    autocast = torch.autocast(device.type, dtype=low) if mixed else contextlib.nullcontext()
+    with torch.no_grad(), autocast:
         cond = adapter.encode([""], 8, device)
         side = adapter.latent_factor * 2
         scheduler = copy.deepcopy(adapter.pipeline.scheduler)
         x = adapter.sample(scheduler, cond, 1, side, torch.Generator().manual_seed(0))
-    with torch.enable_grad():
+    with torch.enable_grad(), autocast:
         sigma = torch.full((x.shape[0],), 0.5, device=x.device)
         out = adapter.predict(transformer, x.to(device), sigma, cond)
         grads = torch.autograd.grad(out.float().sum(), list(params.values()), allow_unused=True)
@@ -266,11 +272,11 @@ def full_policy(args, peft_config, transformer: torch.nn.Module):
             "train that LoRA."
         )
     mixed = {str(p.dtype) for p in transformer.parameters()} - {"torch.float32"}
-    if mixed and args.full_finetune_modules is not None and not (args.bf16 or args.fp16):
+    if mixed and not (args.bf16 or args.fp16):
         raise ValueError(
-            f"Full fine-tuning of some modules of a {'/'.join(sorted(mixed))} transformer: the trained weights are "
-            "float32 and the rest is not, so the forward needs autocast. Set bf16 true (or fp16), or load the model "
-            "in float32."
+            f"Full fine-tuning of a {'/'.join(sorted(mixed))} model: the trained weights become float32 and the rest "
+            "(the frozen modules, the text encoders' embeddings) is not, so the forward needs autocast. Set bf16 true "
+            "(or fp16), or load the model in float32 (torch_dtype float32)."
         )
     return FullPolicy(transformer, args.full_finetune_modules)
 
