@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from ..persistence.full_weights import is_full_finetune, load_full_transformer
 from .card import write_model_card
 from .export_full import export_full
 from .run_info import card_info_from_checkpoint, read_export_config, write_export_config
+from .staging import staged_folder
 
 FORMATS = ("diffusers", "peft")
 
@@ -264,7 +264,7 @@ def export_checkpoint(
         _check_output(source, output, overwrite)
         return export_full(
             source, output, ema=ema, fmt=fmt, base_model=base_model, sample_prompts=sample_prompts, model=model,
-            tiny_seed=tiny_seed, seed=seed, repo_id=repo_id, license=license, render=generate_images, replace=_replace,
+            tiny_seed=tiny_seed, seed=seed, repo_id=repo_id, license=license, render=generate_images,
         )  # fmt: skip
     found = read_run_folder(source, ema=ema)
     _check_output(source, output, overwrite)
@@ -280,9 +280,7 @@ def export_checkpoint(
             f"Sample images need the base model, and {source} records none: pass --model (or --base_model)."
         )
     tensors, lora_config = read_lora_file(found["lora"])
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.export-", dir=output.parent))
-    try:
+    with staged_folder(output) as staging:
         if fmt == "diffusers":
             write_diffusers_lora(staging, tensors, lora_config)
         else:
@@ -300,9 +298,6 @@ def export_checkpoint(
                 )
             info.samples = save_samples(images, list(sample_prompts), staging)
         write_model_card(info, staging)
-        _replace(staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return output
 
 
@@ -326,20 +321,3 @@ def _check_output(source: Path, output: Path, overwrite: bool) -> None:
             f"{output} holds files an export does not write ({', '.join(others[:5])}): --overwrite replaces only a "
             "previous export folder. Choose another --output."
         )
-
-
-def _replace(staging: Path, output: Path) -> None:
-    """Rename the finished ``staging`` folder to ``output`` (a previous ``output`` is removed only afterwards)."""
-    old = None
-    if output.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-        old.rmdir()
-        os.replace(output, old)
-    try:
-        os.replace(staging, output)
-    except BaseException:
-        if old is not None:
-            os.replace(old, output)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

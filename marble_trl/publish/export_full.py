@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from ..artifacts import MANIFEST_FILE, TRANSFORMER_DIR
@@ -14,6 +13,7 @@ from ..evaluation.samples import save_samples
 from ..persistence.checkpoint import checksum_mismatches, read_manifest
 from .card import write_model_card
 from .run_info import card_info_from_checkpoint, write_export_config
+from .staging import staged_folder
 
 
 def export_full(
@@ -30,10 +30,9 @@ def export_full(
     repo_id: str | None,
     license: str | None,
     render,
-    replace,
 ) -> Path:
-    """Write ``output`` from the full run folder ``source``; ``render`` draws the samples (``generate_images``) and
-    ``replace`` renames the finished staging folder (the LoRA export's)."""
+    """Write ``output`` from the full run folder ``source``, atomically; ``render`` draws the samples
+    (``generate_images``)."""
     if fmt != "diffusers":
         raise ValueError(f"{source} is a full fine-tune: it exports as a diffusers model folder (--format diffusers).")
     ema_file = None
@@ -56,18 +55,13 @@ def export_full(
     render_model = model or info.base_model
     if sample_prompts and render_model is None:
         raise ValueError(f"Sample images need the base model, and {source} records none: pass --model.")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.export-", dir=output.parent))
-    try:
+    with staged_folder(output) as staging:
         write_transformer(source, staging, ema_file)
         write_export_config(staging, info, source=str(source.resolve()))
         if sample_prompts:
             images = render(render_model, list(sample_prompts), staging, seed=seed, tiny_seed=info.tiny_seed or 0)
             info.samples = save_samples(images, list(sample_prompts), staging)
         write_model_card(info, staging)
-        replace(staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return output
 
 
