@@ -61,13 +61,19 @@ def load_full_transformer(pipe, folder: str | os.PathLike, weight_name: str | No
     base = pipe.transformer
     model = type(base).from_pretrained(str(Path(folder) / TRANSFORMER_DIR), torch_dtype=base.dtype)
     if weight_name is not None:
-        state = load_file(str(Path(folder) / weight_name))
-        unknown = sorted(set(state) - set(model.state_dict()))
-        if unknown:
-            raise KeyError(f"{Path(folder) / weight_name} holds {len(unknown)} tensors the transformer lacks, e.g. "
-                           f"{unknown[0]!r}: not this run's weights.")  # fmt: skip
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name in state:
-                    param.copy_(state[name])
+        overwrite_from_file(model, Path(folder) / weight_name)
     return model.to(base.device)
+
+
+@torch.no_grad()
+def overwrite_from_file(model: nn.Module, path: str | os.PathLike) -> None:
+    """Copy the tensors of ``path`` (by parameter name: a full run's EMA or old policy) into ``model``'s parameters;
+    a name the model lacks is an error (another run's weights)."""
+    state = load_file(str(path))
+    unknown = sorted(set(state) - set(model.state_dict()))
+    if unknown:
+        raise KeyError(f"{path} holds {len(unknown)} tensors the transformer lacks, e.g. {unknown[0]!r}: not this "
+                       "run's weights.")  # fmt: skip
+    for name, param in model.named_parameters():
+        if name in state:
+            param.copy_(state[name])

@@ -31,6 +31,7 @@ from pathlib import Path
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..artifacts import EXPORT_CONFIG_FILE, LOCK_FILE, LORA_FILE, TRANSFORMER_DIR
+from .full_weights import is_full_finetune
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +157,8 @@ def check_not_overwriting(output_dir: str | os.PathLike, resuming: bool, overwri
     if resuming or overwrite or not folder.is_dir():
         return
     checkpoints = sorted(p.name for p in folder.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir())
-    trained = folder / LORA_FILE if (folder / LORA_FILE).is_file() else folder / TRANSFORMER_DIR / "config.json"
-    if not checkpoints and trained.is_file() and (folder / EXPORT_CONFIG_FILE).is_file():
-        name = LORA_FILE if trained.name == LORA_FILE else TRANSFORMER_DIR  # a LoRA, or a full fine-tune's folder
+    name = LORA_FILE if (folder / LORA_FILE).is_file() else TRANSFORMER_DIR if is_full_finetune(folder) else None
+    if not checkpoints and name and (folder / EXPORT_CONFIG_FILE).is_file():  # a LoRA, or a full fine-tune's folder
         raise FileExistsError(
             f"output_dir {str(folder)!r} already holds a finished run (its {name} and {EXPORT_CONFIG_FILE}): a "
             "new run would replace its weights. Write over it with overwrite_output_dir=True (--overwrite_output_dir "

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..artifacts import MANIFEST_FILE, TRANSFORMER_DIR
 from ..evaluation.samples import save_samples
 from ..persistence.checkpoint import checksum_mismatches, read_manifest
+from ..persistence.full_weights import overwrite_from_file
 from .card import write_model_card
 from .run_info import card_info_from_checkpoint, write_export_config
 from .staging import staged_folder
@@ -70,14 +71,8 @@ def write_transformer(source: Path, staging: Path, ema_file: str | os.PathLike |
     if ema_file is None:
         shutil.copytree(source / TRANSFORMER_DIR, staging / TRANSFORMER_DIR)
         return
-    import torch
     from diffusers import AutoModel
-    from safetensors.torch import load_file
 
     transformer = AutoModel.from_pretrained(str(source / TRANSFORMER_DIR))
-    state = load_file(str(source / ema_file))
-    with torch.no_grad():
-        for name, param in transformer.named_parameters():
-            if name in state:
-                param.copy_(state[name])
+    overwrite_from_file(transformer, source / ema_file)
     transformer.save_pretrained(str(staging / TRANSFORMER_DIR), safe_serialization=True)

@@ -162,30 +162,31 @@ def load_training_state(trainer: Trainer, folder: str | os.PathLike, engine_rest
             f"{folder} holds a {kind} run and this trainer has use_peft={trainer.args.use_peft}: a checkpoint resumes "
             "the kind of training that wrote it (use_peft true for a LoRA, false for full fine-tuning)."
         )
+    if trainer.param_ema is not None and not files.get("param_ema"):
+        raise ValueError(f"{folder} has no parameter EMA (trained with param_ema=False); this trainer has one.")
     if trainer.full_policy is not None:
         load_full_state(trainer, folder, files)
-        return
-    if not engine_restored:
-        load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
-    old = lora_parameters(transformer, OLD_ADAPTER)
-    with gathered(old.values(), modifier_rank=0), torch.no_grad():
-        load_adapter_state(transformer, OLD_ADAPTER, folder / files["old_policy"])
-    # The old adapter is float32 but under DeepSpeed bf16 / fp16: then the file's float32 values become the master.
-    trainer.old_policy.load_master(folder / files["old_policy"], old)
-    if trainer.param_ema is not None:
-        if not files.get("param_ema"):
-            raise ValueError(f"{folder} has no parameter EMA (trained with param_ema=False); this trainer has one.")
-        from safetensors.torch import load_file
+    else:
+        if not engine_restored:
+            load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
+        old = lora_parameters(transformer, OLD_ADAPTER)
+        with gathered(old.values(), modifier_rank=0), torch.no_grad():
+            load_adapter_state(transformer, OLD_ADAPTER, folder / files["old_policy"])
+        # The old adapter is float32 but under DeepSpeed bf16 / fp16: then the file's float32 values become the master.
+        trainer.old_policy.load_master(folder / files["old_policy"], old)
+        if trainer.param_ema is not None:
+            from safetensors.torch import load_file
 
-        state = load_file(str(folder / files["param_ema"]))
-        names = list(trainer.param_ema.shadow)
-        check_keys(set(state), {lora_key(n, TRAIN_ADAPTER) for n in names}, "parameter EMA", folder)
-        trainer.param_ema.load_state_dict({n: state[lora_key(n, TRAIN_ADAPTER)] for n in names})
-    elif files.get("param_ema"):
+            state = load_file(str(folder / files["param_ema"]))
+            names = list(trainer.param_ema.shadow)
+            check_keys(set(state), {lora_key(n, TRAIN_ADAPTER) for n in names}, "parameter EMA", folder)
+            trainer.param_ema.load_state_dict({n: state[lora_key(n, TRAIN_ADAPTER)] for n in names})
+    if trainer.param_ema is None and files.get("param_ema"):
         logger.warning("%s holds a parameter EMA but this trainer has param_ema=False: the EMA is dropped.", folder)
     if trainer.balancer is not None:
         trainer.balancer.load_state_dict(json.loads((folder / files["balancer"]).read_text(encoding="utf-8")))
-    logger.info("Restored the LoRA adapters%s from %s.", ", EMA and MARBLE state" if trainer.balancer else "", folder)
+    what = "LoRA adapters" if trainer.full_policy is None else "trained transformer weights, old policy"
+    logger.info("Restored the %s%s from %s.", what, ", EMA and MARBLE state" if trainer.balancer else "", folder)
 
 
 def save_checkpoint_atomically(trainer: Trainer, save, model, trial) -> None:
@@ -330,7 +331,7 @@ def load_best_checkpoint(trainer: Trainer) -> None:
     files = read_manifest(folder)["files"]
     transformer = trainer.transformer
     if trainer.full_policy is not None:
-        load_full_state(trainer, folder, files, resume=False)
+        load_full_state(trainer, folder, files)
         return
     load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
     load_adapter_state(transformer, OLD_ADAPTER, folder / files["old_policy"])
@@ -368,19 +369,12 @@ def trained_lora_layers(
         return {name: full_tensor(value).cpu().clone() for name, value in masters.items()}  # FSDP2: gathered
 
 
-def load_full_state(trainer: Trainer, folder: Path, files: dict[str, Any], resume: bool = True) -> None:
-    """Full fine-tuning: the trained weights (``transformer/``), the old policy and the EMA; on a resume also the
-    balancer (``load_best_model_at_end`` keeps the final coefficients, as the LoRA path does)."""
+def load_full_state(trainer: Trainer, folder: Path, files: dict[str, Any]) -> None:
+    """Full fine-tuning: the trained weights (``transformer/``), the old policy and, when both have one, the EMA (the
+    checks around it and the balancer: :func:`load_training_state`, which a best-checkpoint load skips)."""
     from safetensors.torch import load_file
 
     load_trained_weights(trainer.trainable_parameters(), folder)
     trainer.full_policy.load_old(load_file(str(folder / files["old_policy"])))
     if trainer.param_ema is not None and files.get("param_ema"):
         trainer.param_ema.load_state_dict(load_file(str(folder / files["param_ema"])))
-    elif trainer.param_ema is not None and resume:
-        raise ValueError(f"{folder} has no parameter EMA (trained with param_ema=False); this trainer has one.")
-    elif files.get("param_ema") and resume:
-        logger.warning("%s holds a parameter EMA but this trainer has param_ema=False: the EMA is dropped.", folder)
-    if resume and trainer.balancer is not None:
-        trainer.balancer.load_state_dict(json.loads((folder / files["balancer"]).read_text(encoding="utf-8")))
-    logger.info("Restored the trained transformer weights and the old policy from %s.", folder)
