@@ -9,6 +9,7 @@ import math
 import os
 
 from .balance.advantages import SCALE_REWARDS
+from .balance.engines import ENGINE_NAMES
 from .balance.marble import AMORTISED_MODES, SILENT_MODES
 from .balance.registry import ADVANTAGE_AGGREGATIONS
 from .balance.registry import AGGREGATIONS as _ENTRIES
@@ -138,8 +139,14 @@ def check_fields(self) -> None:
         f"log_update_cosines_interval must be >= 1 (1 = every step), got {self.log_update_cosines_interval}.",
     )
     need(
-        self.marble_gradient_engine in ("auto", "two_stream", "reference"),
-        f"marble_gradient_engine must be 'auto', 'two_stream' or 'reference', got {self.marble_gradient_engine!r}.",
+        self.marble_gradient_engine in ENGINE_NAMES,
+        f"marble_gradient_engine must be one of {ENGINE_NAMES}, got {self.marble_gradient_engine!r}.",
+    )
+    need(
+        self.marble_gradient_engine != "layer_gram" or self.marble_procedure == "released",
+        "marble_gradient_engine='layer_gram' forms the Gram of one solved pair and never the per-reward gradients, "
+        "which the paper's procedure needs (its refresh sums them over the step): set marble_procedure='released', "
+        "or choose 'auto'.",
     )
     need(
         self.marble_refresh_update in ("gradient", "advantage"),

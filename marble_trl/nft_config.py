@@ -304,7 +304,10 @@ class MarbleDiffusionNFTConfig(BaseConfig):
     marble_gradient_engine: str = field(
         default="auto",
         metadata={
-            "help": "Per-reward gradients: 'two_stream' (cost independent of K), 'reference' (K backwards), 'auto'."
+            "help": "Per-reward gradients: 'two_stream' (cost independent of K), 'reference' (K backwards), 'auto' "
+            "(two_stream where it can), or 'layer_gram' (marble_procedure='released' only: each solved pair's Gram "
+            "slice by slice, without the K gradient buffers; memory independent of K, for full fine-tuning; "
+            "docs/marble.md)."
         },
     )
     marble_refresh_update: str = field(

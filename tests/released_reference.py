@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from scipy.optimize import minimize
 
-from marble_trl.policy.lora import use_old_policy, use_reference
+from marble_trl.policy.switch import use_old_weights, use_reference_weights
 
 A_MAX = 5.0
 EPS = 1e-12
@@ -87,9 +87,9 @@ class ReleasedReference:
                 x_t = (1 - tb) * x0 + tb * noise
                 predict = trainer.model_adapter.predict
                 with torch.no_grad():
-                    with use_old_policy(transformer):
+                    with use_old_weights(transformer):
                         v_old = predict(transformer, x_t, t, mb.embeds).float()
-                    with use_reference(transformer):
+                    with use_reference_weights(transformer):
                         v_ref = predict(transformer, x_t, t, mb.embeds).float()
                 v = predict(transformer, x_t, t, mb.embeds).float()
                 # compute_policy_and_kl_terms (train.py 318-352)

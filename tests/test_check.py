@@ -105,7 +105,7 @@ def test_recipe_passes_on_its_header_hardware_and_fails_on_16gb(recipe: Path, wo
     elif "use_peft: false" not in raw:  # every saver on: the text encoders' visit alone outgrows 16 GB
         assert fixes[0].startswith("use GPUs with at least 18 GiB"), fixes
     else:  # full fine-tuning: the transformer's float32 copies alone outgrow 16 GB, and no sharding is proposed
-        assert int(re.match(r"use GPUs with at least (\d+) GiB", fixes[0]).group(1)) > 80, fixes
+        assert int(re.match(r"use GPUs with at least (\d+) GiB", fixes[0]).group(1)) > 60, fixes
         assert not any("recipes/accelerate/" in f or "sharded" in f for f in fixes), fixes
 
 
@@ -320,6 +320,12 @@ def test_full_finetuning_memory_counts_every_copy_and_refuses_sharded_launchers(
     )  # fmt: skip
     frozen, trained = _gib(attention, "frozen transformer weights (bf16)"), _gib(attention, "trained weights (fp32)")
     assert 0 < trained < one and frozen + trained / 2 == pytest.approx(one / 2, abs=0.02)
+    # the released procedure with layer_gram: one slice instead of the K + 1 buffers, the solved pairs' forward twice
+    released = ["--marble_procedure", "released", "--marble_gradient_engine", "layer_gram"]
+    _, text, _ = _run("sd35m-marble-5rewards.yaml", *ddp, "--use_peft", "false", *released, "--gpu_memory", "80GB")
+    assert "MARBLE per-reward gradient buffers" not in text
+    assert _gib(text, "MARBLE layer_gram: one slice of K rows") == pytest.approx(2**24 * 4 / GIB, abs=0.01)
+    assert re.search(r"activations, micro-batch \d+ \([^)]*twice: layer_gram's solved pairs\)", text), text
     zero = ["--accelerate_config", str(ROOT / "recipes/accelerate/deepspeed_zero2.yaml"), "--num_processes", "8"]
     _, text, _ = _run("sd35m-marble-5rewards.yaml", *zero, "--use_peft", "false", "--gpu_memory", "80GB")
     assert "[full fine-tuning] use_peft false runs on one process or DDP" in text

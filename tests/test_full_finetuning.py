@@ -186,6 +186,14 @@ def test_per_reward_gradients_over_full_weights_equal_explicit_autograd_float64(
         assert (engine.buffers - expected).abs().max() / expected.abs().max() < tol, type(engine).__name__
         gram = expected @ expected.T
         torch.testing.assert_close(engine.buffers @ engine.buffers.T, gram, rtol=10 * tol, atol=1e-12)
+    # layer_gram: the Gram alone, from the forward on the batch twice (L_pos from the first copy, L_neg the second)
+    engine = make_gradient_engine("layer_gram", params, 3, transformer)
+    twice = torch.arange(4).repeat(2)
+    with engine.capture(transformer):
+        v = adapter.predict(transformer, x_t[twice], t[twice], cond.index(twice))
+        lt = nft_loss_terms(v, v_old[twice], x_t[twice], x0[twice], t[twice], 1.0)
+        engine.accumulate(lt.loss_pos, lt.loss_neg, r, 1.0)
+    torch.testing.assert_close(engine.gram, expected @ expected.T, rtol=1e-7, atol=1e-12)
 
 
 def _train(tmp_path, name: str, **overrides) -> MarbleDiffusionNFTTrainer:

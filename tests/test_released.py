@@ -62,11 +62,14 @@ def test_released_procedure_equals_the_written_out_release_in_one_process(tmp_pa
 
 
 @pytest.mark.slow
-def test_released_procedure_equals_the_written_out_release_on_two_processes(tmp_path):
+# layer_gram on every weight of the transformer: the Gram without per-reward gradients, its slices averaged over the
+# processes one by one (marble_trl/balance/layer_gram.py), convolutions and norms by torch.func.
+@pytest.mark.parametrize("engine, policy", [("auto", "lora"), ("layer_gram", "full")])
+def test_released_procedure_equals_the_written_out_release_on_two_processes(tmp_path, engine, policy):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_endpoint=127.0.0.1:0",
-        "--rdzv_backend=c10d", str(WORKER), str(tmp_path), "8", str(STEPS),
+        "--rdzv_backend=c10d", str(WORKER), str(tmp_path), "8", str(STEPS), engine, policy,
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

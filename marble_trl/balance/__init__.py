@@ -4,6 +4,7 @@ engines, the aggregation registry, the min-norm QP, MARBLE's stateful balancers 
 from .diagnostics import cosine_stats, gram_cosines, update_cosines
 from .engines import ENGINE_NAMES, GradientEngine, ReferenceGradientEngine, make_gradient_engine
 from .gradient_buffers import unflatten
+from .layer_gram import LayerGramEngine
 from .marble import MarbleBalancer, RefreshInfo, StepWeights
 from .qp import QPResult, normalized_gram, solve_min_norm, solve_normalized_min_norm
 from .registry import AGGREGATIONS, Aggregation, Weighting
@@ -16,6 +17,7 @@ __all__ = [
     "Weighting",
     "ENGINE_NAMES",
     "GradientEngine",
+    "LayerGramEngine",
     "ReferenceGradientEngine",
     "TwoStreamGradientEngine",
     "find_unsupported_params",

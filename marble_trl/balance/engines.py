@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
 
@@ -45,11 +45,12 @@ from torch import Tensor, nn
 
 from ..distributed import is_dtensor, root_unit_parameters
 from .gradient_buffers import _EngineBase
+from .layer_gram import LayerGramEngine
 from .two_stream import TwoStreamGradientEngine, find_unsupported_params
 
 logger = logging.getLogger(__name__)
 
-ENGINE_NAMES = ("auto", "reference", "two_stream")
+ENGINE_NAMES = ("auto", "reference", "two_stream", "layer_gram")
 
 
 @runtime_checkable
@@ -129,14 +130,21 @@ class ReferenceGradientEngine(_EngineBase):
 
 
 def make_gradient_engine(
-    name: str, params: list[nn.Parameter], num_rewards: int, module: nn.Module
-) -> ReferenceGradientEngine | TwoStreamGradientEngine:
-    """Build an engine: ``"reference"``, ``"two_stream"``, or ``"auto"`` (two-stream when every param is supported,
-    else reference with a one-line warning naming the first unsupported param).
+    name: str,
+    params: list[nn.Parameter],
+    num_rewards: int,
+    module: nn.Module,
+    reduce: Callable[[Tensor], None] | None = None,
+) -> ReferenceGradientEngine | TwoStreamGradientEngine | LayerGramEngine:
+    """Build an engine: ``"reference"``, ``"two_stream"``, ``"auto"`` (two-stream when every param is supported,
+    else reference with a one-line warning naming the first unsupported param), or ``"layer_gram"`` (the Gram of a
+    solved pair without per-reward buffers, :mod:`.layer_gram`; ``reduce`` averages its slices over the processes).
 
     ``module`` must be the module whose forward the trainer wraps in ``capture`` (under DDP: the unwrapped model).
     """
     params = list(params)
+    if name == "layer_gram":
+        return LayerGramEngine(params, num_rewards, module, reduce=reduce)
     root = root_unit_parameters(module, params)
     if root:
         names = {id(p): n for n, p in module.named_parameters()}
@@ -146,7 +154,7 @@ def make_gradient_engine(
             "was not), and the per-reward engine's backward passes leave the root's gradient without its "
             "reduce-scatter. Target other modules (lora_target_modules), or use DDP / DeepSpeed."
         )
-    if name in ENGINE_NAMES and name != "two_stream" and any(is_dtensor(p) for p in params):
+    if name in ("auto", "reference") and any(is_dtensor(p) for p in params):
         unsupported = find_unsupported_params(params, module)
         if name == "reference" or unsupported:
             what = "marble_gradient_engine='reference'" if name == "reference" else f"parameter {unsupported[0]}"

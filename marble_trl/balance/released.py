@@ -226,6 +226,17 @@ class ReleasedMarble:
 
         with torch.no_grad(), ieee_fp32_matmul():
             gram = as_float64_matrix(torch.mm(work, work.T))
+        return self.solve_pair_gram(gram, step)
+
+    def solve_pair_gram(self, gram_rewards: np.ndarray | torch.Tensor, step: int) -> PairSolve:
+        """:meth:`solve` from the pair's per-reward Gram ``M_kl = g_k . g_l`` [K, K] (of the all-reduced gradients;
+        the ``layer_gram`` engine's), then the EMA and ``last_full = step``. Raises ``ValueError`` on a non-finite
+        Gram before changing any state."""
+        gram = as_float64_matrix(gram_rewards)
+        if gram.shape != (self.num_rewards, self.num_rewards):
+            raise ValueError(f"the Gram must be [{self.num_rewards}, {self.num_rewards}], got {gram.shape}")
+        if not np.isfinite(gram).all():
+            raise ValueError("the per-reward gradients are not finite")
         result = self.solve_gram(gram)
         self._update(result.alpha, step)
         if result.fallback != "none":

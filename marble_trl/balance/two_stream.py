@@ -253,15 +253,7 @@ def find_unsupported_params(params: list[nn.Parameter], module: nn.Module) -> li
         for p_name, p in m.named_parameters(recurse=False):
             names.setdefault(id(p), f"{mod_name}.{p_name}" if mod_name else p_name)
             owners.setdefault(id(p), []).append(m)
-    variant_params: set[int] = set()
-    for m in module.modules():
-        variants = getattr(m, "lora_variant", None)
-        if isinstance(variants, dict) and variants:
-            for adapter in variants:
-                for container in ("lora_A", "lora_B"):
-                    sub = getattr(m, container, {})
-                    if isinstance(sub, nn.ModuleDict) and adapter in sub:
-                        variant_params.update(id(p) for p in sub[adapter].parameters())
+    variants = variant_params(module)
     bad = []
     for i, p in enumerate(params):
         name = names.get(id(p), f"params[{i}] (not found in module)")
@@ -270,6 +262,20 @@ def find_unsupported_params(params: list[nn.Parameter], module: nn.Module) -> li
             bad.append(name)
         elif not all(_is_plain_linear(m) for m in ms):
             bad.append(f"{name} ({type(ms[0]).__name__}, not a plain nn.Linear)")
-        elif id(p) in variant_params:
+        elif id(p) in variants:
             bad.append(f"{name} (LoRA variant such as DoRA)")
     return bad
+
+
+def variant_params(module: nn.Module) -> set[int]:
+    """Ids of the adapter parameters a LoRA variant (DoRA etc.) also reads outside their Linear's forward."""
+    found: set[int] = set()
+    for m in module.modules():
+        variants = getattr(m, "lora_variant", None)
+        if isinstance(variants, dict) and variants:
+            for adapter in variants:
+                for container in ("lora_A", "lora_B"):
+                    sub = getattr(m, container, {})
+                    if isinstance(sub, nn.ModuleDict) and adapter in sub:
+                        found.update(id(p) for p in sub[adapter].parameters())
+    return found

@@ -125,6 +125,7 @@ class MemoryInputs:
     rewards_visiting: int = 0  # bytes of the largest offloaded reward model, on the GPU during its own call
     reward_notes: tuple[str, ...] = ()
     full: int = 0  # use_peft=False: the transformer's trained parameters (``lora`` is then 0)
+    layer_gram: bool = False  # marble_gradient_engine='layer_gram': one slice instead of the K + 1 buffers
 
     def replace(self, **changes) -> MemoryInputs:
         return dataclasses.replace(self, **changes)
@@ -197,7 +198,11 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
         rows.append(("gradient bucket (DDP / DeepSpeed reduce)", lora, f"one fp32 copy of the {what} gradients"))
     if m.param_ema:
         rows.append(("parameter EMA (fp32)", lora, f"one fp32 copy of the {what}"))
-    if m.marble_rows:
+    if m.marble_rows and m.layer_gram:
+        from ..balance.layer_gram import SLICE_ELEMENTS
+
+        rows.append(("MARBLE layer_gram: one slice of K rows", 4 * SLICE_ELEMENTS, f"{SLICE_ELEMENTS:,} x 4 B, any K"))
+    elif m.marble_rows:
         rows.append(
             ("MARBLE per-reward gradient buffers", m.marble_rows * lora, f"(K + 1) = {m.marble_rows} x {what}")
         )
@@ -212,10 +217,12 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
     phases = {"training": base}
     if act is not None:
         how = "checkpointed" if m.checkpointing else "no checkpointing"
+        samples = m.micro_batch * (2 if m.marble_rows and m.layer_gram else 1)  # layer_gram: forward on it twice
+        twice = ", twice: layer_gram's solved pairs" if samples > m.micro_batch else ""
         rows.append(
-            (f"activations, micro-batch {m.micro_batch} ({how})", act * m.micro_batch, f"{act / GIB:.3f} GiB/sample")
+            (f"activations, micro-batch {m.micro_batch} ({how}{twice})", act * samples, f"{act / GIB:.3f} GiB/sample")
         )
-        phases["training"] = base + act * m.micro_batch
+        phases["training"] = base + act * samples
     if m.rewards_visiting:
         phases["scoring"] = base + m.rewards_visiting
     if not m.text_resident:

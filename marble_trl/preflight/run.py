@@ -260,6 +260,7 @@ def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: i
         marble_rows=(k + 1) if balancer and k > 1 else 0, moment_bytes=moments,
         text_resident=not (args.offload_text_encoders or args.cache_prompt_embeddings),
         rewards_resident=sizes.resident, rewards_visiting=sizes.visiting, reward_notes=tuple(sizes.notes), full=full,
+        layer_gram=args.marble_gradient_engine == "layer_gram",
     )  # fmt: skip
     estimate = estimate_memory(inputs)
     capacity = _capacity(gpu_memory, report)
@@ -282,8 +283,9 @@ def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: i
     add = report.error if v == "does not fit" else report.warning
     if not fits:  # what the savers cannot reach: a bigger GPU, then the savers that shrink what it must hold
         bigger = f"use GPUs with at least {math.ceil(need / GIB)} GiB" + (
-            ", or fewer rewards / another aggregation (MARBLE keeps K + 1 copies of the trained weights)"
-            if full and inputs.marble_rows
+            ", or marble_procedure: released with marble_gradient_engine: layer_gram (the paper's procedure keeps "
+            "K + 1 copies of the trained weights; layer_gram none)"
+            if full and inputs.marble_rows and not inputs.layer_gram
             else ""
             if full
             else ", or more GPUs with a sharded strategy"

@@ -145,7 +145,7 @@ def per_reward_engine(
     if engine is None or engine.num_rewards != rows:
         # Sized from the whole shapes: ZeRO-3 / FSDP2 parameters are not gathered for it (a gather between a rollout and
         # the training passes fails under ZeRO-3: the rollout leaves parameters in use).
-        engine = make_gradient_engine(kind, list(trainable().values()), rows, module)
+        engine = make_gradient_engine(kind, list(trainable().values()), rows, module, backend.average_buffers)
     if batch.index == 0:
         engine.reset()
     return engine

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..balance import GradientEngine, PairSolve, ReleasedMarble
-from ..policy.nft import advantage_to_r, masked_weights
+from ..balance import GradientEngine, LayerGramEngine, PairSolve, ReleasedMarble
+from ..policy.nft import advantage_to_r, masked_weights, nft_loss_terms
 from .backends import Backend, LossSettings, engine_scale
 from .backward import MicroBatchResult, Predict, policy_forward, timestep_inputs
 from .step import MicroBatch
@@ -96,17 +96,21 @@ def _solved_pair(
     update ``sum_k c_k g_k`` (+ KL) and the :class:`PairSolve` (None, and a KL-only update, if not finite)."""
     weights = masked_weights(masks)
     half = torch.full_like(r_k[0], 0.5)  # the engine's forward needs some r; its loss is not used
+    engine_weight = engine_scale(settings, scale, x0.shape[0])
     engine.reset()
-    with engine.capture(transformer):  # the unwrapped module: the engine back-propagates itself
-        _, terms, _ = policy_forward(inputs, x0, batch, half, predict, settings, autocast)(transformer)
-        engine.accumulate(
-            terms.loss_pos, terms.loss_neg, r_k, scale=engine_scale(settings, scale, x0.shape[0]), weights=weights
-        )
-    del terms
-    rows = engine.buffers
-    backend.average_buffers(rows)
+    if isinstance(engine, LayerGramEngine):  # the Gram alone, averaged slice by slice (no [K, P] rows)
+        _layer_gram(inputs, x0, batch, r_k, weights, engine, transformer, predict, settings, autocast, engine_weight)
+        gram = engine.gram
+        rows = None
+    else:
+        with engine.capture(transformer):  # the unwrapped module: the engine back-propagates itself
+            _, terms, _ = policy_forward(inputs, x0, batch, half, predict, settings, autocast)(transformer)
+            engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=engine_weight, weights=weights)
+        del terms
+        rows = engine.buffers
+        backend.average_buffers(rows)
     try:
-        solve = balancer.solve(rows, step)
+        solve = balancer.solve(rows, step) if rows is not None else balancer.solve_pair_gram(gram, step)
     except ValueError:  # non-finite: the same on every process (all-reduced); the guard skips the step
         solve = None
     c = torch.zeros(len(r_k), dtype=r_k.dtype, device=r_k.device)
@@ -115,3 +119,15 @@ def _solved_pair(
     pos = (c[:, None] * weights * r_k).sum(dim=0)
     neg = (c[:, None] * weights * (1.0 - r_k)).sum(dim=0)
     return policy_forward(inputs, x0, batch, half, predict, settings, autocast, weights=(pos, neg)), solve
+
+
+def _layer_gram(inputs, x0, batch, r_k, weights, engine, transformer, predict, settings, autocast, scale) -> None:
+    """The pair's Gram by the ``layer_gram`` engine: the policy's forward on the micro-batch twice (``L_pos`` read
+    from the first copy, ``L_neg`` from the second; :mod:`marble_trl.balance.layer_gram`)."""
+    twice = torch.arange(x0.shape[0], device=x0.device).repeat(2)
+    t, x_t, x0_2 = inputs.t[twice], inputs.x_t[twice], x0[twice]
+    with engine.capture(transformer):
+        with autocast():
+            v_theta = predict(transformer, x_t, t, batch.embeds.index(twice.cpu())).float()
+        terms = nft_loss_terms(v_theta, inputs.v_old[twice], x_t, x0_2, t, settings.nft_beta, None)
+        engine.accumulate(terms.loss_pos, terms.loss_neg, r_k, scale=scale, weights=weights)

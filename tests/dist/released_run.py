@@ -1,8 +1,9 @@
 """Worker for the released-MARBLE exactness test: trains the tiny model with ``marble_procedure="released"`` and, at
 every optimizer step, compares the trainer's parameter update with :class:`released_reference.ReleasedReference`'s.
 
-Run under ``torchrun`` (python released_run.py OUT_DIR PER_DEVICE STEPS) or call :func:`run` in the test
-process (one process). Writes ``OUT_DIR/rank<i>.pt``: per step the largest difference of the updates relative to the
+Run under ``torchrun`` (python released_run.py OUT_DIR PER_DEVICE STEPS [ENGINE [POLICY]]) or call :func:`run` in
+the test process (one process). ENGINE: ``marble_gradient_engine`` (auto); POLICY: ``lora`` or ``full`` (every weight
+of the transformer, ``use_peft=False``). Writes ``OUT_DIR/rank<i>.pt``: per step the largest difference of the updates relative to the
 reference update's largest entry, the reference's solved steps and fallbacks, and both coefficient states.
 """
 
@@ -62,7 +63,7 @@ class Compare(TrainerCallback):
         self.errors.append((max(worst, 0.0) / scale, scale))
 
 
-def run(out: str, per_device: int, steps: int) -> dict:
+def run(out: str, per_device: int, steps: int, engine: str = "auto", policy: str = "lora") -> dict:
     args = MarbleDiffusionNFTConfig(
         output_dir=out,
         report_to="none",
@@ -93,6 +94,8 @@ def run(out: str, per_device: int, steps: int) -> dict:
         marble_refresh_interval=REFRESH,
         marble_warmup_steps=WARMUP,
         marble_rho=RHO,
+        marble_gradient_engine=engine,
+        use_peft=policy == "lora",
     )
     trainer = Checked("tiny", [brightness, contrast, half], args=args, train_dataset=load_prompt_dataset())
     trainer.reference = ReleasedReference(3, REFRESH, WARMUP, RHO)
@@ -115,4 +118,4 @@ def run(out: str, per_device: int, steps: int) -> dict:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], *map(int, sys.argv[2:4]))
+    run(sys.argv[1], *map(int, sys.argv[2:4]), *sys.argv[4:6])
