@@ -150,8 +150,8 @@ def reshard(module: torch.nn.Module) -> None:
 
 
 def shard_lora_layers_outside_blocks(transformer: torch.nn.Module, accelerator) -> None:
-    """FSDP2: make every LoRA layer outside the blocks accelerate will wrap its own FSDP unit, before accelerate wraps
-    the rest.
+    """FSDP2: make every LoRA layer outside the blocks accelerate will wrap its own FSDP unit (under full fine-tuning:
+    every top-level module outside them with trained weights), before accelerate wraps the rest.
 
     Left to accelerate, such a layer (SD3's root-level ``proj_out``, say) joins the root unit, and after the per-reward
     engine's backward passes FSDP left the root's gradient without its reduce-scatter (the cosine steps of the tiny
@@ -171,11 +171,24 @@ def shard_lora_layers_outside_blocks(transformer: torch.nn.Module, accelerator) 
         and not is_fsdp_module(m)
         and not any(name.startswith(b + ".") for b in block_names)
     ]
+    full = not outside
+    if full:  # full fine-tuning: each top-level module outside the blocks that holds trained weights
+        outside = [
+            m
+            for name, m in transformer.named_children()
+            if not is_fsdp_module(m)
+            and any(p.requires_grad for p in m.parameters())
+            and not any(b == name or b.startswith(name + ".") for b in block_names)
+        ]
     kwargs = {
         "reshard_after_forward": plugin.reshard_after_forward,
         "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
         "offload_policy": plugin.cpu_offload,
     }
+    if full:
+        # Kept gathered between forward and backward: resharded after the forward, the per-reward engine's backward
+        # through these small units read a freed gather (context_embedder and proj_out of tiny SD3, together).
+        kwargs["reshard_after_forward"] = False
     for module in outside:
         fully_shard(module, **kwargs)
 
@@ -204,6 +217,15 @@ def shard_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def whole_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """FSDP2: ``module``'s whole state dict, gathered into host memory on the main process (every process must call
+    this; the others get an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    reshard(module)
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 @torch.no_grad()

@@ -99,16 +99,17 @@ def _env(**extra: str) -> dict[str, str]:
 _PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 
 
-def _run(command: Callable[[int], list[str]], env: dict[str, str], out: Path, attempts: int = 3):
+def _run(command: Callable[[int], list[str]], env: dict[str, str], out: Path, attempts: int = 3, product: str = LORA):
     """Run ``command(port)`` for a free ``main_process_port``. The port is free when chosen but not reserved: another
-    process (say, a second test session on the machine) can bind it first. Then the launch is retried on a new one."""
+    process (say, a second test session on the machine) can bind it first. Then the launch is retried on a new one.
+    ``product``: the file or folder the run must leave in ``out``."""
     for attempt in range(attempts):
         proc = subprocess.run(command(_free_port()), env=env, capture_output=True, text=True, timeout=900)
         if proc.returncode == 0 or not _PORT_TAKEN.search(proc.stderr) or attempt == attempts - 1:
             break
         shutil.rmtree(out, ignore_errors=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    assert (out / LORA).is_file()
+    assert (out / product).exists()
     return proc
 
 

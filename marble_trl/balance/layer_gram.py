@@ -23,7 +23,7 @@ Sites (what a trained parameter must belong to):
   output rows, as the two-stream engine forms them (:mod:`.two_stream`: same tap, same assumptions);
 - any other module without submodules that is called with one tensor (a convolution, a norm, an embedding): its
   per-sample gradients by ``torch.func`` (``vmap`` of a ``vjp`` of the module's forward at the saved input), in the
-  parameters' dtype, outside autocast. These read the weights, so they are refused on sharded parameters.
+  parameters' dtype, outside autocast. These read the weights: FSDP2 has gathered them there, ZeRO-3 has not (refused).
 
 Cost of a solved pair: a forward and a backward on twice the micro-batch (the two-stream engine: one forward and two
 backwards on it), so twice the activations of that forward. Exact against explicit ``torch.autograd.grad``:
@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from ..distributed import is_dtensor
 from .diagnostics import ieee_fp32_matmul
 from .gradient_buffers import _buffer_dtype
 from .two_stream import _is_plain_linear, _prepare_input, _Tap, variant_params
@@ -102,12 +103,11 @@ class LayerGramEngine:
                 "takes the weights of nn.Linear layers and of modules without submodules called with one tensor. "
                 "Leave it out of full_finetune_modules / lora_target_modules, or use another marble_gradient_engine."
             )
-        sharded = [s.name for s in self._sites if s.kind == "generic" and _is_sharded(s)]
-        if sharded:
+        partitioned = [s.name for s in self._sites if s.kind == "generic" and _is_partitioned(s)]
+        if partitioned:
             raise ValueError(
-                f"marble_gradient_engine='layer_gram' differentiates {sharded[0]} through its weights, which ZeRO-3 / "
-                "FSDP2 shard: train only Linear layers there "
-                "(full_finetune_modules), or use DDP / ZeRO-2."
+                f"marble_gradient_engine='layer_gram' differentiates {partitioned[0]} through its weights, which "
+                "ZeRO-3 partitions: train only Linear layers there (full_finetune_modules), or use DDP / FSDP2."
             )
         self._dtype = _buffer_dtype(self.params)
         device = self.params[0].device
@@ -239,6 +239,9 @@ class LayerGramEngine:
 
         module = site.module
         values = {name: getattr(module, name).detach() for name in site.names}
+        if any(is_dtensor(v) for v in values.values()):
+            raise RuntimeError(f"layer_gram: {site.name}'s weights are sharded in its backward (FSDP2 did not gather "
+                               "them); train only Linear layers (full_finetune_modules).")  # fmt: skip
         dtype = next(iter(values.values())).dtype
         xs = x.to(dtype) if x.is_floating_point() else x
 
@@ -260,10 +263,10 @@ class LayerGramEngine:
             self._add(self._coeffs @ per_sample[:, c : c + width].to(self._coeffs.dtype))
 
 
-def _is_sharded(site: _Site) -> bool:
-    from ..distributed import is_dtensor
-
-    return any(is_dtensor(p) or hasattr(p, "ds_shape") for p in site.module.parameters(recurse=False))
+def _is_partitioned(site: _Site) -> bool:
+    # ZeRO-3's partitions are empty outside its gathers; FSDP2 registers the gathered weights on the module for the
+    # unit's forward and backward, which is when the taps read them.
+    return any(hasattr(p, "ds_shape") for p in site.module.parameters(recurse=False))
 
 
 def _build_sites(params: list[nn.Parameter], module: nn.Module) -> tuple[list[_Site], list[str]]:

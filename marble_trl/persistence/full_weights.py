@@ -13,14 +13,24 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..artifacts import TRANSFORMER_DIR
+from ..distributed import copy_full_
 
 MAX_SHARD_SIZE = "5GB"  # diffusers' default shard size
 
 
-def save_transformer(transformer: nn.Module, folder: str | os.PathLike) -> Path:
-    """Write the whole transformer (trained and frozen weights, each in its own dtype) to ``folder/transformer``."""
+def save_transformer(
+    transformer: nn.Module, folder: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """Write the whole transformer (trained and frozen weights, each in its own dtype) to ``folder/transformer``;
+    ``state_dict``: its whole tensors when the module holds shards (FSDP2, :func:`~marble_trl.distributed.
+    whole_state_dict`), written by diffusers' own ``save_pretrained`` (which reads ``state_dict()``)."""
     out = Path(folder) / TRANSFORMER_DIR
-    transformer.save_pretrained(str(out), safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
+    if state_dict is not None:
+        transformer.__dict__["state_dict"] = lambda *args, **kwargs: state_dict  # shadows the method, this call only
+    try:
+        transformer.save_pretrained(str(out), safe_serialization=True, max_shard_size=MAX_SHARD_SIZE)
+    finally:
+        transformer.__dict__.pop("state_dict", None)
     return out
 
 
@@ -40,10 +50,10 @@ def read_transformer_weights(folder: str | os.PathLike, names: list[str]) -> dic
 
 @torch.no_grad()
 def load_trained_weights(params: dict[str, nn.Parameter], folder: str | os.PathLike) -> None:
-    """Copy a saved transformer's values into the trained ``params`` (by name)."""
+    """Copy a saved transformer's values into the trained ``params`` (by name; FSDP2 shards take their shard)."""
     state = read_transformer_weights(folder, list(params))
     for name, param in params.items():
-        param.copy_(state[name])
+        copy_full_(param, state[name])
 
 
 def save_named(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> None:

@@ -13,8 +13,11 @@ With LoRA the old policy is a second adapter and the reference is the transforme
   and swap back on exit, so every forward of the model (the family adapter's ``predict``, the rollout sampler) runs
   unchanged on either set of weights. The trainable flags never change, so the optimizer and DDP see one set.
 
-Scope (docs/models.md, "Full fine-tuning"): one process or DDP. DeepSpeed ZeRO and FSDP2 shard the parameters, which a
-pointer swap of whole tensors cannot follow: the trainer refuses them with ``use_peft=False`` for now.
+Under FSDP2 the parameters become ``DTensor`` shards after the policy is built: at their first use the copies become
+this process's shards too (:mod:`.full_shards`; the whole copies built before sharding stay in host memory until
+then), and a swap copies the copy's shard into the parameter's (the buffer FSDP gathers from) with every unit
+resharded around it, so no process ever holds a whole copy on the accelerator. DeepSpeed ZeRO is refused with
+``use_peft=False`` for now (docs/models.md, "Full fine-tuning").
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from ..distributed import reshard
+from .full_shards import ShardedCopies, is_sharded
 from .lora import ADAPTER_DTYPE, LoraEMA
 
 POLICY_ATTRIBUTE = "_marble_full_policy"  # the policy on its transformer (a plain attribute, not a submodule)
@@ -79,6 +84,7 @@ class FullPolicy:
                     self.reference[name] = loaded.clone()
                 param.requires_grad_(True)
         self.old = {name: param.detach().clone() for name, param in params.items()}
+        self.shards = ShardedCopies()  # FSDP2: the copies become this process's shards at their first use
         transformer.__dict__[POLICY_ATTRIBUTE] = self
 
     def trainable(self, transformer: nn.Module) -> dict[str, nn.Parameter]:
@@ -94,6 +100,10 @@ class FullPolicy:
         dicts) follows its parameter here, once. Autocast caches its low-precision copy of a float32 parameter by the
         parameter itself, which a ``.data`` swap keeps: the cache is cleared on both sides of the swap, or a second
         forward in the same autocast region (``v_ref`` after ``v_old``) would reuse the first one's weights."""
+        if is_sharded(self.trainable(transformer)):
+            with self._swapped_shards(transformer, weights):
+                yield
+            return
         params = self.trainable(transformer)
         swapped: list[tuple[str, nn.Parameter]] = []
         torch.clear_autocast_cache()
@@ -109,6 +119,29 @@ class FullPolicy:
                 param.data, weights[name] = weights[name], param.data
             torch.clear_autocast_cache()
 
+    @contextlib.contextmanager
+    def _swapped_shards(self, transformer: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
+        """FSDP2: copy ``weights``' shards into the parameters' shards (the buffers the all-gather reads), the units
+        resharded first so that no gathered copy of the trained weights survives into the forward, and back."""
+        reshard(transformer)
+        params = self.trainable(transformer)
+        self.shards.localise(weights, params)
+        saved = {}
+        torch.clear_autocast_cache()
+        try:
+            with torch.no_grad():
+                for name, param in params.items():
+                    local = param.to_local()
+                    saved[name] = local.clone()
+                    local.copy_(weights[name])
+            yield
+        finally:
+            reshard(transformer)
+            with torch.no_grad():
+                for name, value in saved.items():
+                    params[name].to_local().copy_(value)
+            torch.clear_autocast_cache()
+
     def use_old(self, transformer: nn.Module) -> contextlib.AbstractContextManager[None]:
         return self.swapped(transformer, self.old)
 
@@ -118,26 +151,30 @@ class FullPolicy:
     @torch.no_grad()
     def update(self, transformer: nn.Module, eta: float) -> None:
         """``theta_old <- eta theta_old + (1 - eta) theta`` in float32 (eta = 0 copies the trained weights)."""
-        for name, param in self.trainable(transformer).items():
+        reshard(transformer)
+        params = self.trainable(transformer)
+        self.shards.localise(self.old, params)
+        for name, param in params.items():
             if self.old[name].device != param.device:  # the model moved after the policy was built
                 self.old[name] = self.old[name].to(param.device)
-            self.old[name].mul_(eta).add_(param.detach(), alpha=1.0 - eta)
+            value = param.to_local() if is_sharded({name: param}) else param.detach()
+            self.old[name].mul_(eta).add_(value, alpha=1.0 - eta)
 
     def reset(self) -> None:
         """Nothing to forget: the old weights are the copy itself (LoRA's :class:`~.lora.OldPolicy` keeps a DeepSpeed
         master; here there is none)."""
 
-    def master_state(self) -> dict[str, torch.Tensor]:
-        """The old-policy weights by parameter name, as CPU copies (the checkpoint's ``old_policy.safetensors``)."""
-        return {name: t.detach().cpu().clone() for name, t in self.old.items()}
+    def master_state(self, transformer: nn.Module) -> dict[str, torch.Tensor]:
+        """The old-policy weights by parameter name, as whole CPU copies (the checkpoint's ``old_policy.safetensors``;
+        under FSDP2 gathered: every process must call this)."""
+        return self.shards.whole(self.old, self.trainable(transformer))
 
     @torch.no_grad()
-    def load_old(self, state: dict[str, torch.Tensor]) -> None:
+    def load_old(self, state: dict[str, torch.Tensor], transformer: nn.Module) -> None:
         missing = sorted(set(self.names) - set(state))
         if missing:
             raise KeyError(f"The old-policy weights lack {len(missing)} trained tensors, e.g. {missing[0]!r}.")
-        for name in self.names:
-            self.old[name].copy_(state[name])
+        self.shards.load(self.old, {name: state[name] for name in self.names}, self.trainable(transformer))
 
 
 def attached_policy(transformer: nn.Module) -> FullPolicy | None:
@@ -163,3 +200,35 @@ class FullEMA(LoraEMA):
         """The EMA's weights swapped in by pointer (LoRA's copies the trained values aside: here that would be one
         more whole copy of the transformer)."""
         return self._policy(transformer).swapped(transformer, self.shadow)
+
+    # FSDP2: the shadow is this process's shards, like the old policy (LoRA's EMA is whole on every process)
+    @torch.no_grad()
+    def update(self, transformer: nn.Module, decay: float) -> None:
+        params = self._params(transformer)
+        if not is_sharded(params):
+            super().update(transformer, decay)
+            return
+        reshard(transformer)
+        params = self._params(transformer)
+        self._shards.localise(self.shadow, params)
+        for name, param in params.items():
+            self.shadow[name].mul_(decay).add_(param.to_local(), alpha=1.0 - decay)
+
+    def state_dict(self, transformer: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """Whole tensors by parameter name (under FSDP2 gathered from the shards: every process must call this)."""
+        if transformer is None or not self._shards.local:
+            return dict(self.shadow)
+        return self._shards.whole(self.shadow, self._params(transformer))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], transformer: nn.Module | None = None) -> None:
+        missing = set(self.shadow) - set(state)
+        if missing:
+            raise KeyError(f"Parameter-EMA state lacks {len(missing)} trained weights, e.g. {sorted(missing)[0]!r}.")
+        params = self._params(transformer) if transformer is not None else {}
+        self._shards.load(self.shadow, {name: state[name] for name in self.shadow}, params)
+
+    @property
+    def _shards(self) -> ShardedCopies:
+        if "_sharded_copies" not in self.__dict__:
+            self._sharded_copies = ShardedCopies()
+        return self._sharded_copies

@@ -32,7 +32,7 @@ from ..artifacts import (
     TRANSFORMER_DIR,
     lora_key,
 )
-from ..distributed import full_tensor, gathered
+from ..distributed import full_tensor, gathered, reshard
 from ..persistence.checkpoint import (
     adapter_state,
     add_checksums,
@@ -83,7 +83,10 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     ``folder`` already holds the trained LoRA (``_save``) and the Trainer's files. Main process only.
     """
     full = trainer.full_policy is not None
-    if not full:
+    if full:  # FSDP2: the copies' shards are gathered, on every process
+        old_whole = trainer.full_policy.master_state(trainer.transformer)
+        ema_whole = trainer.param_ema.state_dict(trainer.transformer) if trainer.param_ema is not None else None
+    else:
         with gathered(lora_parameters(trainer.transformer, OLD_ADAPTER).values()):  # ZeRO-3: every process gathers
             old = adapter_state(trainer.transformer, OLD_ADAPTER)
     if not trainer.args.should_save:
@@ -98,9 +101,9 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     }
     if full:  # the trained transformer is _save's transformer/ folder
         files["transformer"] = TRANSFORMER_DIR
-        save_named(trainer.full_policy.master_state(), folder / FULL_OLD_POLICY_FILE)
-        if trainer.param_ema is not None:
-            save_named(trainer.param_ema.state_dict(), folder / EMA_FILE)
+        save_named(old_whole, folder / FULL_OLD_POLICY_FILE)
+        if ema_whole is not None:
+            save_named(ema_whole, folder / EMA_FILE)
             files["param_ema"] = EMA_FILE
     else:
         master = trainer.old_policy.master_state()  # DeepSpeed bf16: the float32 weights, not the rounded adapter
@@ -374,7 +377,8 @@ def load_full_state(trainer: Trainer, folder: Path, files: dict[str, Any]) -> No
     checks around it and the balancer: :func:`load_training_state`, which a best-checkpoint load skips)."""
     from safetensors.torch import load_file
 
+    reshard(trainer.transformer)  # FSDP2: the sharded parameters, not a forward's gathered copies
     load_trained_weights(trainer.trainable_parameters(), folder)
-    trainer.full_policy.load_old(load_file(str(folder / files["old_policy"])))
+    trainer.full_policy.load_old(load_file(str(folder / files["old_policy"])), trainer.transformer)
     if trainer.param_ema is not None and files.get("param_ema"):
-        trainer.param_ema.load_state_dict(load_file(str(folder / files["param_ema"])))
+        trainer.param_ema.load_state_dict(load_file(str(folder / files["param_ema"])), trainer.transformer)

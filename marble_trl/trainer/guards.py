@@ -119,7 +119,9 @@ class NonFiniteGuard(TrainerCallback):
             inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
             # full fine-tuning keeps it in host memory: a copy of the transformer and its optimizer state on the
             # accelerator would cost 12 B per weight (25 GiB for SD3.5 Medium); a LoRA's stays where it is
-            where = "cpu" if getattr(self.trainer, "full_policy", None) is not None else None
+            # (FSDP2's shards stay: 12 B per weight / processes)
+            full = getattr(self.trainer, "full_policy", None) is not None
+            where = "cpu" if full and not self.trainer.backend.shards_transformer else None
 
             def keep(v: torch.Tensor) -> torch.Tensor:
                 return v.detach().to(where, copy=True) if where else v.detach().clone()

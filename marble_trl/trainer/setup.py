@@ -281,11 +281,24 @@ def full_policy(args, peft_config, transformer: torch.nn.Module):
     return FullPolicy(transformer, args.full_finetune_modules)
 
 
-def check_full_finetuning_backend(args, backend) -> None:
-    """Full fine-tuning runs on one process or DDP: DeepSpeed and FSDP2 shard the weights the old policy swaps."""
-    if not args.use_peft and backend.checkpoint_owner != "trainer":
+def check_full_finetuning_backend(args, backend, aggregation: str) -> None:
+    """Full fine-tuning runs on one process, DDP or FSDP2: DeepSpeed partitions the weights the old policy swaps.
+    Under FSDP2 its per-reward gradients come from ``layer_gram`` (one backward per solved pair): the engines that
+    back-propagate one retained graph twice read units' weights FSDP2 has freed in between."""
+    from ..balance import AGGREGATIONS
+
+    engine = args.log_update_cosines or AGGREGATIONS[aggregation].balanced
+    if not args.use_peft and backend.name == "fsdp2" and engine and args.marble_gradient_engine != "layer_gram":
         raise ValueError(
-            f"use_peft=False (full fine-tuning) runs on one process or DDP; this run uses {type(backend).__name__}, "
-            "whose sharded parameters the old-policy and reference copies do not follow yet. Launch with a DDP "
-            "config (recipes/accelerate/), or train a LoRA (use_peft true)."
+            "use_peft=False under FSDP2: the per-reward gradients take marble_procedure='released' with "
+            "marble_gradient_engine='layer_gram' (the paper procedure's engines back-propagate one graph twice, and "
+            "FSDP2 frees the gathered weights of the units outside the blocks in between), or use an aggregation "
+            "without per-reward gradients (e.g. sum_then_normalize), or DDP."
+        )
+    if not args.use_peft and backend.checkpoint_owner == "deepspeed":
+        raise ValueError(
+            f"use_peft=False (full fine-tuning) runs on one process, DDP or FSDP2; this run uses "
+            f"{type(backend).__name__}, whose partitioned parameters the old-policy and reference copies do not follow "
+            "yet. Launch with a DDP or FSDP2 config (recipes/accelerate/multi_gpu.yaml, fsdp2.yaml), or train a LoRA "
+            "(use_peft true)."
         )

@@ -212,7 +212,7 @@ class MarbleDiffusionNFTTrainer(RolloutHooks, PersistenceHooks, EvaluationHooks,
         self._loss_settings = LossSettings(
             args.nft_beta, args.beta, args.adv_clip_max, args.marble_refresh_update, args.marble_masked_solve
         )
-        check_full_finetuning_backend(args, self.backend)
+        check_full_finetuning_backend(args, self.backend, self.aggregation)
         self.param_ema = (LoraEMA if args.use_peft else FullEMA)(transformer) if args.param_ema else None
         self.old_policy = OldPolicy() if self.full_policy is None else self.full_policy
         self.balancer = make_balancer(self.aggregation, args, self.reward_names)  # MARBLE's, or another weighting
