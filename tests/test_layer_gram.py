@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import tiny_args
 from torch import nn
 
-from tiny import tiny_args
 from marble_trl.balance import LayerGramEngine, ReleasedMarble, make_gradient_engine
 
 
