@@ -60,8 +60,8 @@ def candidates(m: MemoryInputs, micro_batches: list[int], rewards_on_gpu: list[s
             )
         )
     s = m.strategy
-    if s.processes > 1 and not s.shards_weights and not m.full:  # full fine-tuning: one process or DDP only
-        for kind in ("zero3", "fsdp2"):
+    if s.processes > 1 and not s.shards_weights:
+        for kind in ("fsdp2",) if m.full else ("zero3", "fsdp2"):  # full fine-tuning: not DeepSpeed (yet)
             out.append(
                 Fix(
                     f"use {ACCELERATE_CONFIGS[kind]} (--accelerate_config {ACCELERATE_CONFIGS[kind]}: shards the "

@@ -126,6 +126,7 @@ class MemoryInputs:
     reward_notes: tuple[str, ...] = ()
     full: int = 0  # use_peft=False: the transformer's trained parameters (``lora`` is then 0)
     layer_gram: bool = False  # marble_gradient_engine='layer_gram': one slice instead of the K + 1 buffers
+    guard_copy: bool = True  # max_nonfinite_skips > 0: the guard keeps the last finite state
 
     def replace(self, **changes) -> MemoryInputs:
         return dataclasses.replace(self, **changes)
@@ -161,7 +162,21 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
     rows: list[tuple[str, float, str]] = []
     dtype = {2: "bf16", 4: "fp32"}.get(m.weight_bytes, f"{m.weight_bytes} B")
     weights = m.transformer * m.weight_bytes
-    if s.shards_weights:
+    if s.shards_weights and m.full:  # full fine-tuning under FSDP2: the weights and their copies, sharded
+        frozen = m.transformer - m.full
+        sharded = frozen * m.weight_bytes + 4 * m.full
+        rows.append(("transformer weights, sharded (trained ones fp32)", sharded / n, f"{m.transformer / 1e6:,.1f} "
+                     f"M params ({m.full / 1e6:,.1f} M trained) / {n}"))  # fmt: skip
+        rows.append(("units outside the blocks, kept gathered (fp32)", 4 * m.root, f"{m.root / 1e6:,.1f} M params"))
+        rows.append(("blocks being gathered (2, fp32), and their gradients before the reduce-scatter",
+                     2 * m.block * 8, f"2 x {m.block / 1e6:,.1f} M params x (4 + 4) B"))  # fmt: skip
+        rows.append((f"reference: the loaded trained weights ({dtype}), sharded", m.full * m.weight_bytes / n,
+                     f"/ {n}"))  # fmt: skip
+        rows.append(("old policy (fp32 copy), sharded", 4 * m.full / n, f"one fp32 copy / {n}"))
+        if m.guard_copy:  # one process / DDP: in host memory, not counted
+            rows.append(("non-finite guard's last finite weights + moments, sharded", 12 * m.full / n,
+                         f"12 B x params / {n} (max_nonfinite_skips 0: none)"))  # fmt: skip
+    elif s.shards_weights:
         kept = 0 if s.offload_params else weights / n
         rows.append((f"transformer weights ({dtype}), sharded", kept, f"{m.transformer / 1e6:,.1f} M params / {n}"))
         if s.kind == "fsdp2":
@@ -169,7 +184,7 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
                 ("transformer root unit, kept whole", m.root * m.weight_bytes, f"{m.root / 1e6:,.1f} M params")
             )
         rows.append(("blocks being gathered (2)", 2 * m.block * m.weight_bytes, f"2 x {m.block / 1e6:,.1f} M params"))
-    elif m.full:  # full fine-tuning (one process or DDP): the trained weights become float32 copies
+    elif m.full:  # full fine-tuning, one process or DDP: the trained weights become float32 copies
         frozen = m.transformer - m.full
         if frozen:
             rows.append(
@@ -197,7 +212,9 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
     if (s.kind == "ddp" and n > 1) or s.kind in ("zero2", "zero3"):
         rows.append(("gradient bucket (DDP / DeepSpeed reduce)", lora, f"one fp32 copy of the {what} gradients"))
     if m.param_ema:
-        rows.append(("parameter EMA (fp32)", lora, f"one fp32 copy of the {what}"))
+        ema_shards = m.full and s.shards_weights  # full fine-tuning under FSDP2: this process's shards
+        rows.append(("parameter EMA (fp32)" + (", sharded" if ema_shards else ""), lora / (n if ema_shards else 1),
+                     f"one fp32 copy of the {what}" + (f" / {n}" if ema_shards else "")))  # fmt: skip
     if m.marble_rows and m.layer_gram:
         from ..balance.layer_gram import SLICE_ELEMENTS
 

@@ -215,11 +215,11 @@ def _full_finetuning(transformer, args, strategy: Strategy, report: Report) -> i
     """``use_peft=False``: the trained parameters (0 after an error), and the launcher's check."""
     from ..policy.full import full_parameters
 
-    if strategy.kind in ("zero2", "zero3", "fsdp2"):
+    if strategy.kind in ("zero2", "zero3"):
         report.error(
             "full fine-tuning",
-            f"use_peft false runs on one process or DDP; the accelerate config launches {strategy.label}.",
-            "launch with a DDP config (recipes/accelerate/), or train a LoRA (use_peft true)",
+            f"use_peft false runs on one process, DDP or FSDP2; the accelerate config launches {strategy.label}.",
+            "launch with recipes/accelerate/fsdp2.yaml or a DDP config, or train a LoRA (use_peft true)",
         )
     count = sum(p.numel() for p in full_parameters(transformer, args.full_finetune_modules).values())
     if not count:
@@ -260,7 +260,7 @@ def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: i
         marble_rows=(k + 1) if balancer and k > 1 else 0, moment_bytes=moments,
         text_resident=not (args.offload_text_encoders or args.cache_prompt_embeddings),
         rewards_resident=sizes.resident, rewards_visiting=sizes.visiting, reward_notes=tuple(sizes.notes), full=full,
-        layer_gram=args.marble_gradient_engine == "layer_gram",
+        layer_gram=args.marble_gradient_engine == "layer_gram", guard_copy=args.max_nonfinite_skips > 0,
     )  # fmt: skip
     estimate = estimate_memory(inputs)
     capacity = _capacity(gpu_memory, report)
