@@ -193,22 +193,6 @@ def shard_lora_layers_outside_blocks(transformer: torch.nn.Module, accelerator) 
         fully_shard(module, **kwargs)
 
 
-def check_uniform_unit_dtypes(transformer: torch.nn.Module, accelerator) -> None:
-    """FSDP2 gathers each unit's parameters in one buffer of one dtype: a block holding float32 trained weights beside
-    bf16 frozen ones (full fine-tuning of some modules of a bf16 model) cannot be a unit."""
-    plugin = accelerator.state.fsdp_plugin
-    blocks = set(plugin.transformer_cls_names_to_wrap or getattr(transformer, "_no_split_modules", None) or [])
-    for name, module in transformer.named_modules():
-        dtypes = {p.dtype for p in module.parameters()} if type(module).__name__ in blocks else set()
-        if len(dtypes) > 1:
-            raise ValueError(
-                f"Under FSDP2 the block {name} would hold parameters of {sorted(map(str, dtypes))}: full fine-tuning "
-                "of some of a bf16 model's modules makes them float32 beside bf16 frozen ones, and FSDP2 gathers a "
-                "block in one dtype. Train every weight (leave full_finetune_modules unset), load the model in "
-                "float32 (--torch_dtype float32), or use DDP."
-            )
-
-
 def root_unit_parameters(module: torch.nn.Module, params: Iterable[torch.nn.Parameter]) -> list[int]:
     """FSDP2: the indices in ``params`` of the parameters held by ``module``'s own (root) unit rather than by a child
     unit (a wrapped block). Empty when ``module`` is not an FSDP module."""

@@ -25,6 +25,16 @@ ARGS = [
 TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
 
 
+def _eval_args(folder: Path) -> tuple[str, ...]:
+    """An evaluation at step 2 on held-out prompts, with the parameter EMA swapped in (eval_use_param_ema)."""
+    prompts = folder / "eval_prompts.txt"
+    prompts.parent.mkdir(parents=True, exist_ok=True)
+    prompts.write_text("a red square\na blue circle\n")
+    return ("--eval_dataset_name", str(prompts), "--eval_strategy", "steps", "--eval_steps", "2",
+            "--eval_num_sample_steps", "2", "--eval_num_images_per_prompt", "2", "--per_device_eval_batch_size", "2",
+            "--eval_grid_prompts", "0")  # fmt: skip
+
+
 def _launch(out: Path, config: str, script: list[str], extra: tuple[str, ...] = ()):
     def command(port: int) -> list[str]:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE / config)]
@@ -38,8 +48,9 @@ def _launch(out: Path, config: str, script: list[str], extra: tuple[str, ...] = 
 def test_fsdp2_full_finetuning_matches_ddp_and_resumes_exactly(tmp_path):
     fsdp, ddp = tmp_path / "fsdp2", tmp_path / "ddp"
     shim = [str(ROOT / "tests" / "dist" / "fsdp_cpu.py")]
-    _launch(fsdp, "fsdp2.yaml", shim)
-    _launch(ddp, "multi_gpu.yaml", ["-m", "marble_trl.cli"])
+    evaluation = _eval_args(tmp_path)
+    _launch(fsdp, "fsdp2.yaml", shim, evaluation)
+    _launch(ddp, "multi_gpu.yaml", ["-m", "marble_trl.cli"], evaluation)
     ranks = [json.loads((fsdp / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for state in ranks:
         assert state["distributed_type"] == "DistributedType.FSDP"
@@ -60,10 +71,17 @@ def test_fsdp2_full_finetuning_matches_ddp_and_resumes_exactly(tmp_path):
         torch.tensor(fsdp_balancer["alpha_bar"]), torch.tensor(ddp_balancer["alpha_bar"]), atol=1e-4, rtol=0
     )
     # the checkpoint's old policy and EMA are whole tensors, gathered from the shards
-    old = load_file(str(fsdp / "checkpoint-3" / "old_policy.safetensors"))
-    ddp_old = load_file(str(ddp / "checkpoint-3" / "old_policy.safetensors"))
-    assert old.keys() == ddp_old.keys() and all(old[n].shape == ddp_old[n].shape for n in old)
-    torch.testing.assert_close(old, ddp_old, rtol=1e-4, atol=1e-5 * moved)
+    for file in ("old_policy.safetensors", "param_ema.safetensors"):
+        mine, theirs = (load_file(str(run / "checkpoint-3" / file)) for run in (fsdp, ddp))
+        assert mine.keys() == theirs.keys() and all(mine[n].shape == theirs[n].shape for n in mine), file
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * moved, msg=file)
+    # the evaluation at step 2 drew with the EMA swapped into the shards: DDP's scores
+    scores = [
+        {k: v for row in _metrics(run) for k, v in row.items() if k.startswith("eval_rewards/")} for run in (fsdp, ddp)
+    ]
+    assert scores[0] and scores[0].keys() == scores[1].keys()
+    for key in scores[0]:
+        assert scores[0][key] == pytest.approx(scores[1][key], abs=1e-4), key
     # the gathered folder is a diffusers model
     from diffusers import SD3Transformer2DModel
 
@@ -72,7 +90,11 @@ def test_fsdp2_full_finetuning_matches_ddp_and_resumes_exactly(tmp_path):
     # resumed from checkpoint-1 (sharded optimizer state, the copies' shards from the whole files): bit for bit
     final = dict(a)
     (fsdp / TRANSFORMER).unlink()
-    _launch(fsdp, "fsdp2.yaml", shim, ("--resume_from_checkpoint", str(fsdp / "checkpoint-1")))
+    _launch(fsdp, "fsdp2.yaml", shim, (*evaluation, "--resume_from_checkpoint", str(fsdp / "checkpoint-1")))
     again = load_file(str(fsdp / TRANSFORMER))
     for name in final:
         assert torch.equal(again[name], final[name]), name
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

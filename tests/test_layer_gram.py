@@ -60,12 +60,17 @@ def test_gram_equals_explicit_autograd_with_masks_slices_and_a_reduce(slice_elem
     expected = torch.stack(rows) @ torch.stack(rows).T
 
     reduced = []
-    engine = LayerGramEngine(params, k, model, reduce=reduced.append, slice_elements=slice_elements)
+
+    def reduce(rows: torch.Tensor) -> None:  # stands for the average over processes: must come before R R^T
+        reduced.append(rows)
+        rows.mul_(0.5)
+
+    engine = LayerGramEngine(params, k, model, reduce=reduce, slice_elements=slice_elements)
     twice = torch.arange(b).repeat(2)
     with engine.capture(model):
         pos, neg = _losses(model, x[twice], ids[twice], target[twice])
         engine.accumulate(pos, neg, r, scale, weights=w)
-    torch.testing.assert_close(engine.gram, expected, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(engine.gram, 0.25 * expected, rtol=1e-10, atol=1e-14)
     assert sum(t.shape[1] for t in reduced) == sum(p.numel() for p in params)  # every coordinate reduced once
     assert all(t.shape[0] == k for t in reduced)
     if slice_elements == 40:
@@ -95,6 +100,23 @@ def test_unsupported_parameters_and_calls_are_named_with_the_way_out():
 
         def forward(self, x):
             return self.bil(x, x)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.other = nn.Linear(3, 3)
+            self.other.weight = self.lin.weight  # tied
+
+        def forward(self, x):
+            return self.lin(self.lin(x))
+
+    model = Twice()
+    with pytest.raises(ValueError, match=r"cannot handle trainable parameter lin\.weight"):
+        LayerGramEngine(list(model.parameters()), 2, model)
+    engine = LayerGramEngine([model.lin.bias], 2, model)
+    with engine.capture(model), pytest.raises(RuntimeError, match="lin ran twice in one forward"):
+        model(torch.randn(2, 3))
 
     model = TwoInputs()
     engine = LayerGramEngine(list(model.parameters()), 2, model)

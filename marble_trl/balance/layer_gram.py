@@ -23,7 +23,11 @@ Sites (what a trained parameter must belong to):
   output rows, as the two-stream engine forms them (:mod:`.two_stream`: same tap, same assumptions);
 - any other module without submodules that is called with one tensor (a convolution, a norm, an embedding): its
   per-sample gradients by ``torch.func`` (``vmap`` of a ``vjp`` of the module's forward at the saved input), in the
-  parameters' dtype, outside autocast. These read the weights: FSDP2 has gathered them there, ZeRO-3 has not (refused).
+  parameters' dtype, outside autocast, formed whole (``[2B, module size]``: small for convolutions and norms) before
+  they are sliced.
+
+A trained module called twice in one forward, or a weight tied between modules, is refused: the Gram is quadratic,
+so each weight's gradient must be summed over its uses before the product. These read the weights: FSDP2 has gathered them there, ZeRO-3 has not (refused).
 
 Cost of a solved pair: a forward and a backward on twice the micro-batch (the two-stream engine: one forward and two
 backwards on it), so twice the activations of that forward. Exact against explicit ``torch.autograd.grad``:
@@ -117,6 +121,7 @@ class LayerGramEngine:
         self._fired = 0
         self._capturing = False
         self._recomputing = False
+        self._calls: dict[int, int] = {}  # per site: its calls in the captured forward
 
     def reset(self) -> None:
         """Zero the Gram (a new pair)."""
@@ -130,6 +135,7 @@ class LayerGramEngine:
         if module is not self._module:
             raise ValueError("capture() must receive the module the engine was built with (the unwrapped model).")
         handles = []
+        self._calls = {}
         for site in self._sites:
             if site.kind == "linear" and site.weight:
                 handles.append(site.module.register_forward_pre_hook(_prepare_input))
@@ -146,8 +152,21 @@ class LayerGramEngine:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor) -> Tensor | None:
             if self._recomputing or not torch.is_grad_enabled():  # _generic's own forward of the module
                 return None
-            if not isinstance(output, Tensor) or not output.requires_grad:
+            if not isinstance(output, Tensor):
+                raise RuntimeError(
+                    f"marble_gradient_engine='layer_gram': {site.name} ({type(module).__name__}) returns "
+                    f"{type(output).__name__}, not a tensor; leave it out of the trained modules, or use another engine."
+                )
+            if not output.requires_grad:
                 return None
+            if self._coeffs is None:  # the forward (a checkpointed recompute in the engine's backward is not a call)
+                calls = self._calls[id(site)] = self._calls.get(id(site), 0) + 1
+                if calls > 1:
+                    raise RuntimeError(
+                        f"marble_gradient_engine='layer_gram': {site.name} ran twice in one forward; the Gram needs "
+                        "each weight's gradient summed over its calls before the product. Leave it out of the "
+                        "trained modules, or use another marble_gradient_engine."
+                    )
             if site.kind == "generic" and (len(args) != 1 or kwargs or not isinstance(args[0], Tensor)):
                 raise RuntimeError(
                     f"marble_gradient_engine='layer_gram': {site.name} ({type(module).__name__}) was called with "
@@ -275,10 +294,12 @@ def _build_sites(params: list[nn.Parameter], module: nn.Module) -> tuple[list[_S
     sites: dict[int, _Site] = {}
     covered: set[int] = set()
     names: dict[int, str] = {}
+    owners: dict[int, set[int]] = {}
     for mod_name, m in module.named_modules(remove_duplicate=False):
         own = [(n, p) for n, p in m.named_parameters(recurse=False) if id(p) in wanted]
         for n, p in own:
             names.setdefault(id(p), f"{mod_name}.{n}" if mod_name else n)
+            owners.setdefault(id(p), set()).add(id(m))
         if not own or id(m) in sites:
             continue
         if _is_plain_linear(m):
@@ -290,6 +311,7 @@ def _build_sites(params: list[nn.Parameter], module: nn.Module) -> tuple[list[_S
         sites[id(m)] = _Site(m, mod_name, kind, own)
         covered.update(id(p) for _, p in own)
     covered -= variant_params(module)  # read outside the Linear's forward (DoRA's norm)
+    covered -= {pid for pid, mods in owners.items() if len(mods) > 1}  # tied: its calls' gradients must be summed
     unsupported = [
         names.get(id(p), f"params[{i}] (not found in module)") for i, p in enumerate(params) if id(p) not in covered
     ]

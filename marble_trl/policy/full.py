@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from ..distributed import reshard
+from ..distributed import is_fsdp_module, reshard
 from .full_shards import ShardedCopies, is_sharded
 from .lora import ADAPTER_DTYPE, LoraEMA
 
@@ -100,7 +100,7 @@ class FullPolicy:
         dicts) follows its parameter here, once. Autocast caches its low-precision copy of a float32 parameter by the
         parameter itself, which a ``.data`` swap keeps: the cache is cleared on both sides of the swap, or a second
         forward in the same autocast region (``v_ref`` after ``v_old``) would reuse the first one's weights."""
-        if is_sharded(self.trainable(transformer)):
+        if is_fsdp_module(transformer):  # (its parameters may be a forward's gathered copies until resharded)
             with self._swapped_shards(transformer, weights):
                 yield
             return
@@ -154,10 +154,11 @@ class FullPolicy:
         reshard(transformer)
         params = self.trainable(transformer)
         self.shards.localise(self.old, params)
+        sharded = is_sharded(params)
         for name, param in params.items():
             if self.old[name].device != param.device:  # the model moved after the policy was built
                 self.old[name] = self.old[name].to(param.device)
-            value = param.to_local() if is_sharded({name: param}) else param.detach()
+            value = param.to_local() if sharded else param.detach()
             self.old[name].mul_(eta).add_(value, alpha=1.0 - eta)
 
     def reset(self) -> None:
@@ -202,33 +203,32 @@ class FullEMA(LoraEMA):
         return self._policy(transformer).swapped(transformer, self.shadow)
 
     # FSDP2: the shadow is this process's shards, like the old policy (LoRA's EMA is whole on every process)
+    # Under FSDP2 the shadow is this process's shards, tracked by the policy's registry with its other copies (LoRA's
+    # EMA is whole on every process).
     @torch.no_grad()
     def update(self, transformer: nn.Module, decay: float) -> None:
-        params = self._params(transformer)
-        if not is_sharded(params):
+        if not is_fsdp_module(transformer):
             super().update(transformer, decay)
             return
         reshard(transformer)
         params = self._params(transformer)
-        self._shards.localise(self.shadow, params)
+        self._policy(transformer).shards.localise(self.shadow, params)
         for name, param in params.items():
             self.shadow[name].mul_(decay).add_(param.to_local(), alpha=1.0 - decay)
 
     def state_dict(self, transformer: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """Whole tensors by parameter name (under FSDP2 gathered from the shards: every process must call this)."""
-        if transformer is None or not self._shards.local:
+        """Whole tensors by parameter name (under FSDP2 gathered from the shards: every process must call this with
+        the ``transformer``; without it, the shadow as held)."""
+        if transformer is None:
             return dict(self.shadow)
-        return self._shards.whole(self.shadow, self._params(transformer))
+        return self._policy(transformer).shards.whole(self.shadow, self._params(transformer))
 
     def load_state_dict(self, state: dict[str, torch.Tensor], transformer: nn.Module | None = None) -> None:
         missing = set(self.shadow) - set(state)
         if missing:
             raise KeyError(f"Parameter-EMA state lacks {len(missing)} trained weights, e.g. {sorted(missing)[0]!r}.")
-        params = self._params(transformer) if transformer is not None else {}
-        self._shards.load(self.shadow, {name: state[name] for name in self.shadow}, params)
-
-    @property
-    def _shards(self) -> ShardedCopies:
-        if "_sharded_copies" not in self.__dict__:
-            self._sharded_copies = ShardedCopies()
-        return self._sharded_copies
+        if transformer is None:
+            super().load_state_dict(state)
+            return
+        policy = self._policy(transformer)
+        policy.shards.load(self.shadow, {name: state[name] for name in self.shadow}, self._params(transformer))

@@ -34,12 +34,7 @@ class ShardedCopies:
     """Which dicts of copies (``{parameter name: tensor}``) hold this process's shards instead of whole tensors."""
 
     def __init__(self) -> None:
-        self._local: set[int] = set()
-
-    @property
-    def local(self) -> bool:
-        """Whether any copy is sharded."""
-        return bool(self._local)
+        self._local: set[int] = set()  # id() of the dicts holding shards (one registry for every copy of a policy)
 
     def localise(self, copies: dict[str, torch.Tensor], params: dict[str, nn.Parameter]) -> None:
         """Replace the whole ``copies`` by their shards, once, when ``params`` are shards."""

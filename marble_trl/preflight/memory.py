@@ -173,6 +173,7 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
         rows.append((f"reference: the loaded trained weights ({dtype}), sharded", m.full * m.weight_bytes / n,
                      f"/ {n}"))  # fmt: skip
         rows.append(("old policy (fp32 copy), sharded", 4 * m.full / n, f"one fp32 copy / {n}"))
+        rows.append(("the trained shards set aside during a swap", 4 * m.full / n, f"one fp32 copy / {n}"))
         if m.guard_copy:  # one process / DDP: in host memory, not counted
             rows.append(("non-finite guard's last finite weights + moments, sharded", 12 * m.full / n,
                          f"12 B x params / {n} (max_nonfinite_skips 0: none)"))  # fmt: skip

@@ -33,7 +33,7 @@ def run_checks(parsed, strategy: Strategy, gpu_memory: str | None, measure: bool
         check_family_needs(info, args, report, check_resolution)
         transformer, summary = transformer_of(info)
         if not args.use_peft:
-            full_params = _full_finetuning(transformer, args, strategy, report)
+            full_params = _full_finetuning(transformer, args, strategy, report, len(script_args.reward_funcs or []))
             lora_params = 0 if full_params else None
         elif check_lora_targets(
             transformer,
@@ -211,9 +211,23 @@ def _batching(args, parsed, strategy: Strategy, report: Report) -> None:
                 report.findings[i] = dataclasses.replace(f, message=message, fix=fix)
 
 
-def _full_finetuning(transformer, args, strategy: Strategy, report: Report) -> int:
-    """``use_peft=False``: the trained parameters (0 after an error), and the launcher's check."""
+def _full_finetuning(transformer, args, strategy: Strategy, report: Report, num_rewards: int) -> int:
+    """``use_peft=False``: the trained parameters (0 after an error), and the launcher's checks (the trainer's:
+    :func:`~marble_trl.trainer.setup.check_full_finetuning_backend`)."""
+    from ..balance import AGGREGATIONS
     from ..policy.full import full_parameters
+    from ..trainer.setup import resolve_aggregation
+
+    aggregation = resolve_aggregation(args.multi_objective_aggregation, max(num_rewards, 1))
+    engine = args.log_update_cosines or AGGREGATIONS[aggregation].balanced
+    if strategy.kind == "fsdp2" and engine and args.marble_gradient_engine != "layer_gram":
+        report.error(
+            "full fine-tuning",
+            "use_peft false under FSDP2 takes its per-reward gradients from layer_gram (the paper procedure's engines "
+            "back-propagate one graph twice, which FSDP2's freed gathers do not allow).",
+            "add --marble_procedure released --marble_gradient_engine layer_gram, or use an aggregation without "
+            "per-reward gradients, or DDP",
+        )
 
     if strategy.kind in ("zero2", "zero3"):
         report.error(

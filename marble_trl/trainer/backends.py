@@ -27,7 +27,6 @@ import torch
 from ..balance import GradientEngine, unflatten
 from ..distributed import (
     backward,
-    check_uniform_unit_dtypes,
     configure_deepspeed,
     configure_fsdp,
     full_tensor,
@@ -264,7 +263,6 @@ class FSDPBackward(PlainBackward):
     def before_prepare(self, transformer: torch.nn.Module) -> None:
         # The LoRA layers outside the blocks become units of their own just before accelerate wraps the rest
         # (marble_trl.distributed); forwards before this point (the CLI's sample grid) run on the plain module.
-        check_uniform_unit_dtypes(transformer, self.accelerator)
         shard_lora_layers_outside_blocks(transformer, self.accelerator)
 
     def update_and_rows(self, buffers, params):

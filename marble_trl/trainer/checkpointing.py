@@ -80,7 +80,8 @@ def trained_args(trainer: Trainer) -> dict:
 def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     """Write the old-policy adapter, the parameter EMA, the balancer state and the manifest into ``folder``.
 
-    ``folder`` already holds the trained LoRA (``_save``) and the Trainer's files. Main process only.
+    ``folder`` already holds the trained LoRA (``_save``) and the Trainer's files. Every process calls it (ZeRO-3 and
+    FSDP2 gather here); only the main process writes.
     """
     full = trainer.full_policy is not None
     if full:  # FSDP2: the copies' shards are gathered, on every process
