@@ -52,6 +52,14 @@ CONFIGS = {
         "marble_refresh_interval": 10,
         "marble_procedure": "released",
     },
+    # ... on every weight, its solved pairs' Gram by layer_gram (docs/models.md, "Full fine-tuning")
+    "marble_released_full": {
+        "multi_objective_aggregation": "marble",
+        "marble_refresh_interval": 10,
+        "marble_procedure": "released",
+        "marble_gradient_engine": "layer_gram",
+        "use_peft": False,
+    },
 }
 REWARDS = ["brightness", "contrast", "saturation", "jpeg_compressibility", "darkness"]
 
