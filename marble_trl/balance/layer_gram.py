@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from ..distributed import is_dtensor
 from .diagnostics import ieee_fp32_matmul
 from .gradient_buffers import _buffer_dtype
-from .two_stream import _is_plain_linear, _prepare_input, _Tap, variant_params
+from .two_stream import _is_plain_linear, _prepare_input, _Tap, tapped, variant_params
 
 # The bound on one slice's K rows plus its per-sample gradients: 16.8 M numbers (64 MiB in float32).
 SLICE_ELEMENTS = 1 << 24
@@ -130,23 +130,10 @@ class LayerGramEngine:
     @contextlib.contextmanager
     def capture(self, module: nn.Module) -> Iterator[None]:
         """Tap every site's output for the duration of the block (the forward and ``accumulate``)."""
-        if self._capturing:
-            raise RuntimeError("capture() is not re-entrant.")
-        if module is not self._module:
-            raise ValueError("capture() must receive the module the engine was built with (the unwrapped model).")
-        handles = []
         self._calls = {}
-        for site in self._sites:
-            if site.kind == "linear" and site.weight:
-                handles.append(site.module.register_forward_pre_hook(_prepare_input))
-            handles.append(site.module.register_forward_hook(self._hook(site), with_kwargs=True))
-        self._capturing = True
-        try:
+        prepare = lambda site: _prepare_input if site.kind == "linear" and site.weight else None  # noqa: E731
+        with tapped(self, module, [(site.module, prepare(site), self._hook(site), True) for site in self._sites]):
             yield
-        finally:
-            self._capturing = False
-            for h in handles:
-                h.remove()
 
     def _hook(self, site: _Site):
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Tensor) -> Tensor | None:

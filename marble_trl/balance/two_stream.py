@@ -117,22 +117,12 @@ class TwoStreamGradientEngine(_EngineBase):
     @contextlib.contextmanager
     def capture(self, module: nn.Module) -> Iterator[None]:
         """Install the taps on the supported layers for the duration of the block (forward AND ``accumulate``)."""
-        if self._capturing:
-            raise RuntimeError("capture() is not re-entrant.")
-        if module is not self._module:
-            raise ValueError("capture() must receive the module the engine was built with (the unwrapped model).")
-        handles = []
-        for site in self._sites:
-            if site.weight_offset is not None:
-                handles.append(site.module.register_forward_pre_hook(_prepare_input))
-            handles.append(site.module.register_forward_hook(self._make_hook(site)))
-        self._capturing = True
-        try:
+        hooks = [
+            (site.module, _prepare_input if site.weight_offset is not None else None, self._make_hook(site), False)
+            for site in self._sites
+        ]
+        with tapped(self, module, hooks):
             yield
-        finally:
-            self._capturing = False
-            for h in handles:
-                h.remove()
 
     def _make_hook(self, site: _Site):
         def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
@@ -279,3 +269,25 @@ def variant_params(module: nn.Module) -> set[int]:
                     if isinstance(sub, nn.ModuleDict) and adapter in sub:
                         found.update(id(p) for p in sub[adapter].parameters())
     return found
+
+
+@contextlib.contextmanager
+def tapped(engine, module: nn.Module, hooks: list[tuple[nn.Module, Any, Any, bool]]) -> Iterator[None]:
+    """An engine's ``capture`` region: the checks, then ``(layer, pre-hook or None, hook, with_kwargs)`` installed on
+    entry and removed on exit (also on an error)."""
+    if engine._capturing:
+        raise RuntimeError("capture() is not re-entrant.")
+    if module is not engine._module:
+        raise ValueError("capture() must receive the module the engine was built with (the unwrapped model).")
+    handles = []
+    for layer, pre_hook, hook, with_kwargs in hooks:
+        if pre_hook is not None:
+            handles.append(layer.register_forward_pre_hook(pre_hook))
+        handles.append(layer.register_forward_hook(hook, with_kwargs=with_kwargs))
+    engine._capturing = True
+    try:
+        yield
+    finally:
+        engine._capturing = False
+        for h in handles:
+            h.remove()
