@@ -23,10 +23,20 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING, Any
 
-from .commands.train import MarbleScriptArguments, train
+if TYPE_CHECKING:
+    from .commands.train import MarbleScriptArguments, train
 
 __all__ = ["MarbleScriptArguments", "main", "train"]
+
+
+def __getattr__(name: str) -> Any:  # the re-exports load on first use: the launcher wrapper imports no model code
+    if name in ("MarbleScriptArguments", "train"):
+        from .commands import train as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,11 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     ns, rest = top.parse_known_args(argv[:1])
     if ns.command == "train":
         from .commands.launch import launch_train, split_launch_args
-        from .commands.train import train_parser
 
         launch, train_argv = split_launch_args(argv[1:])
         if launch:  # --accelerate_config / --num_processes: re-run under `accelerate launch`
             return launch_train(launch, train_argv)
+        from .commands.train import train, train_parser
+
         script_args, training_args = train_parser().parse_args_and_config(args=train_argv)
         train(script_args, training_args)
     elif ns.command == "export":
