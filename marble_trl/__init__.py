@@ -7,6 +7,7 @@ The public names load on first use (PEP 562): ``import marble_trl`` and a comman
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -39,6 +40,8 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value  # once
         return value
+    if importlib.util.find_spec(f"{__name__}.{name}") is not None:  # `marble_trl.rewards.register_reward(...)`
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -84,7 +84,7 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         default=True,
         metadata={
             "help": "Train a LoRA (true, the papers' setting) or the transformer's own weights (false: full "
-            "fine-tuning, TRL's `--use_peft false`; one process or DDP, docs/models.md). The lora_* fields apply "
+            "fine-tuning, TRL's `--use_peft false`; one process, DDP or FSDP2, docs/models.md). The lora_* fields apply "
             "only to a LoRA."
         },
     )

@@ -4,6 +4,8 @@ loading in plain diffusers."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -278,3 +280,16 @@ def test_grid_prompts_take_each_source_in_turn():
 def test_eval_before_after_needs_eval_prompts(tmp_path):
     with pytest.raises(ValueError, match="eval_before_after needs held-out prompts: set eval_dataset_name"):
         main(["train", "--output_dir", str(tmp_path), "--reward_funcs", "brightness", "--eval_before_after", "true"])
+
+
+def test_the_cli_and_the_package_import_no_model_code_until_asked():
+    """`import marble_trl.cli` (the launcher wrapper, --help) loads neither torch, diffusers nor TRL; the public names
+    and the subpackages load on first use."""
+    code = (
+        "import sys, marble_trl, marble_trl.cli\n"
+        "assert not {'torch', 'diffusers', 'trl'} & set(sys.modules), sorted({'torch', 'diffusers', 'trl'} & set(sys.modules))\n"
+        "assert callable(marble_trl.rewards.register_reward) and marble_trl.MarbleDiffusionNFTConfig.__name__\n"
+        "assert marble_trl.cli.MarbleScriptArguments.__name__ == 'MarbleScriptArguments'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

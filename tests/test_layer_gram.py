@@ -79,6 +79,38 @@ def test_gram_equals_explicit_autograd_with_masks_slices_and_a_reduce(slice_elem
     assert engine.gram.abs().max() == 0
 
 
+def test_gradient_checkpointing_recomputes_are_not_second_calls():
+    """Non-reentrant checkpointing (the full recipes' activation_checkpointing) re-runs the forward, hooks included,
+    inside the engine's backward: the Gram is still the explicit one, and no "ran twice" error."""
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 2)
+
+        def forward(self, x):
+            h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=False)
+            return self.b(h)
+
+    torch.manual_seed(1)
+    model = Checkpointed().double()
+    params = list(model.parameters())
+    x, r = torch.randn(3, 4, dtype=torch.float64), torch.rand(2, 3, dtype=torch.float64)
+    rows = []
+    for k in range(2):
+        out = model(x)
+        pos, neg = (out**2).sum(dim=1), (out - 1).abs().sum(dim=1)
+        rows.append(
+            torch.cat([g.reshape(-1) for g in torch.autograd.grad((r[k] * pos + (1 - r[k]) * neg).sum(), params)])
+        )
+    engine = LayerGramEngine(params, 2, model)
+    twice = torch.arange(3).repeat(2)
+    with engine.capture(model):
+        out = model(x[twice])
+        engine.accumulate((out**2).sum(dim=1), (out - 1).abs().sum(dim=1), r, 1.0)
+    torch.testing.assert_close(engine.gram, torch.stack(rows) @ torch.stack(rows).T, rtol=1e-10, atol=1e-14)
+
+
 def test_unsupported_parameters_and_calls_are_named_with_the_way_out():
     class Owner(nn.Module):
         def __init__(self) -> None:
@@ -117,6 +149,19 @@ def test_unsupported_parameters_and_calls_are_named_with_the_way_out():
     engine = LayerGramEngine([model.lin.bias], 2, model)
     with engine.capture(model), pytest.raises(RuntimeError, match="lin ran twice in one forward"):
         model(torch.randn(2, 3))
+
+    class Pair(nn.Module):  # a leaf returning a tuple
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.scale, x
+
+    pair = Pair()
+    engine = LayerGramEngine([pair.scale], 2, pair)
+    with engine.capture(pair), pytest.raises(RuntimeError, match=r"returns tuple, not a tensor"):
+        pair(torch.randn(2, 3))
 
     model = TwoInputs()
     engine = LayerGramEngine(list(model.parameters()), 2, model)

@@ -130,9 +130,9 @@ class LayerGramEngine:
     @contextlib.contextmanager
     def capture(self, module: nn.Module) -> Iterator[None]:
         """Tap every site's output for the duration of the block (the forward and ``accumulate``)."""
-        self._calls = {}
         prepare = lambda site: _prepare_input if site.kind == "linear" and site.weight else None  # noqa: E731
         with tapped(self, module, [(site.module, prepare(site), self._hook(site), True) for site in self._sites]):
+            self._calls = {}
             yield
 
     def _hook(self, site: _Site):

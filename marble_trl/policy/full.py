@@ -202,7 +202,6 @@ class FullEMA(LoraEMA):
         more whole copy of the transformer)."""
         return self._policy(transformer).swapped(transformer, self.shadow)
 
-    # FSDP2: the shadow is this process's shards, like the old policy (LoRA's EMA is whole on every process)
     # Under FSDP2 the shadow is this process's shards, tracked by the policy's registry with its other copies (LoRA's
     # EMA is whole on every process).
     @torch.no_grad()

@@ -127,6 +127,7 @@ class MemoryInputs:
     full: int = 0  # use_peft=False: the transformer's trained parameters (``lora`` is then 0)
     layer_gram: bool = False  # marble_gradient_engine='layer_gram': one slice instead of the K + 1 buffers
     guard_copy: bool = True  # max_nonfinite_skips > 0: the guard keeps the last finite state
+    per_reward_gradients: bool = False  # a balanced aggregation or log_update_cosines (the trainer's rule)
 
     def replace(self, **changes) -> MemoryInputs:
         return dataclasses.replace(self, **changes)
@@ -162,7 +163,8 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
     rows: list[tuple[str, float, str]] = []
     dtype = {2: "bf16", 4: "fp32"}.get(m.weight_bytes, f"{m.weight_bytes} B")
     weights = m.transformer * m.weight_bytes
-    if s.shards_weights and m.full:  # full fine-tuning under FSDP2: the weights and their copies, sharded
+    fsdp_full = m.full and s.kind == "fsdp2" and n > 1
+    if fsdp_full:  # full fine-tuning under FSDP2: the weights and their copies, sharded
         frozen = m.transformer - m.full
         sharded = frozen * m.weight_bytes + 4 * m.full
         rows.append(("transformer weights, sharded (trained ones fp32)", sharded / n, f"{m.transformer / 1e6:,.1f} "
@@ -185,7 +187,7 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
                 ("transformer root unit, kept whole", m.root * m.weight_bytes, f"{m.root / 1e6:,.1f} M params")
             )
         rows.append(("blocks being gathered (2)", 2 * m.block * m.weight_bytes, f"2 x {m.block / 1e6:,.1f} M params"))
-    elif m.full:  # full fine-tuning, one process or DDP: the trained weights become float32 copies
+    elif m.full:  # full fine-tuning, one process or DDP (ZeRO is refused): the trained weights become float32 copies
         frozen = m.transformer - m.full
         if frozen:
             rows.append(
@@ -213,7 +215,7 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
     if (s.kind == "ddp" and n > 1) or s.kind in ("zero2", "zero3"):
         rows.append(("gradient bucket (DDP / DeepSpeed reduce)", lora, f"one fp32 copy of the {what} gradients"))
     if m.param_ema:
-        ema_shards = m.full and s.shards_weights  # full fine-tuning under FSDP2: this process's shards
+        ema_shards = fsdp_full  # full fine-tuning under FSDP2: this process's shards
         rows.append(("parameter EMA (fp32)" + (", sharded" if ema_shards else ""), lora / (n if ema_shards else 1),
                      f"one fp32 copy of the {what}" + (f" / {n}" if ema_shards else "")))  # fmt: skip
     if m.marble_rows and m.layer_gram:

@@ -275,6 +275,7 @@ def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: i
         text_resident=not (args.offload_text_encoders or args.cache_prompt_embeddings),
         rewards_resident=sizes.resident, rewards_visiting=sizes.visiting, reward_notes=tuple(sizes.notes), full=full,
         layer_gram=args.marble_gradient_engine == "layer_gram", guard_copy=args.max_nonfinite_skips > 0,
+        per_reward_gradients=bool(balancer),
     )  # fmt: skip
     estimate = estimate_memory(inputs)
     capacity = _capacity(gpu_memory, report)
@@ -299,11 +300,13 @@ def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: i
         bigger = f"use GPUs with at least {math.ceil(need / GIB)} GiB" + (
             ", or marble_procedure: released with marble_gradient_engine: layer_gram (the paper's procedure keeps "
             "K + 1 copies of the trained weights; layer_gram none)"
-            if full and inputs.marble_rows and not inputs.layer_gram
+            if full and inputs.per_reward_gradients and not inputs.layer_gram
+            else ", or more GPUs with FSDP2"
+            if full and strategy.kind != "fsdp2"
             else ""
             if full
             else ", or more GPUs with a sharded strategy"
-        )  # full fine-tuning: one process or DDP
+        )  # full fine-tuning: one process, DDP or FSDP2 (with layer_gram where MARBLE runs)
         saved = f"; with the fixes below it still needs {need / GIB:.1f} GiB" if fixes else ""
         add("memory", f"{v}: {where}{saved}.", (bigger, *fixes))
         return

@@ -32,7 +32,7 @@ from ..artifacts import (
     TRANSFORMER_DIR,
     lora_key,
 )
-from ..distributed import full_tensor, gathered, reshard
+from ..distributed import full_tensor, gathered, is_fsdp_module, reshard
 from ..persistence.checkpoint import (
     adapter_state,
     add_checksums,
@@ -84,9 +84,10 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     FSDP2 gather here); only the main process writes.
     """
     full = trainer.full_policy is not None
-    if full:  # FSDP2: the copies' shards are gathered, on every process
-        old_whole = trainer.full_policy.master_state(trainer.transformer)
-        ema_whole = trainer.param_ema.state_dict(trainer.transformer) if trainer.param_ema is not None else None
+    if full:
+        if is_fsdp_module(trainer.transformer) or trainer.args.should_save:  # FSDP2 gathers the shards: everyone
+            old_whole = trainer.full_policy.master_state(trainer.transformer)
+            ema_whole = trainer.param_ema.state_dict(trainer.transformer) if trainer.param_ema is not None else None
     else:
         with gathered(lora_parameters(trainer.transformer, OLD_ADAPTER).values()):  # ZeRO-3: every process gathers
             old = adapter_state(trainer.transformer, OLD_ADAPTER)
