@@ -149,7 +149,7 @@ def reshard(module: torch.nn.Module) -> None:
                 m.reshard()
 
 
-def shard_lora_layers_outside_blocks(transformer: torch.nn.Module, accelerator) -> None:
+def shard_trained_modules_outside_blocks(transformer: torch.nn.Module, accelerator) -> None:
     """FSDP2: make every LoRA layer outside the blocks accelerate will wrap its own FSDP unit (under full fine-tuning:
     every top-level module outside them with trained weights), before accelerate wraps the rest.
 
@@ -282,7 +282,8 @@ def check_frozen_models_not_partitioned(pipeline) -> None:
             )
 
 
-def _partitioned(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+def partitioned(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The DeepSpeed ZeRO-3 partitions among ``params`` (their data is empty outside a gather)."""
     return [p for p in params if hasattr(p, "ds_id")]
 
 
@@ -290,13 +291,13 @@ def _partitioned(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Paramete
 def gathered(params: Iterable[torch.nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
     """ZeRO-3: gather the partitioned ``params`` for the block (every rank must enter it; with ``modifier_rank``,
     that rank's in-place changes are partitioned back on exit). Without ZeRO-3: nothing."""
-    partitioned = _partitioned(params)
-    if not partitioned:
+    parts = partitioned(params)
+    if not parts:
         yield
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank):
+    with deepspeed.zero.GatheredParameters(parts, modifier_rank=modifier_rank):
         yield
 
 

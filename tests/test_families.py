@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from tiny import brightness, contrast, tiny_args
+from tiny import brightness, contrast, explicit_per_reward_gradients, tiny_args
 
 from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.balance import make_gradient_engine
@@ -144,12 +144,7 @@ def test_per_reward_gradients_equal_explicit_autograd_float64(name):
     def terms():
         return nft_loss_terms(adapter.predict(transformer, x_t, t, cond), v_old, x_t, x0, t, 1.0)
 
-    expected = []
-    for k in range(3):
-        lt = terms()
-        loss = (r[k] * lt.loss_pos + (1 - r[k]) * lt.loss_neg).sum()
-        expected.append(torch.cat([q.reshape(-1) for q in torch.autograd.grad(loss, params)]))
-    expected = torch.stack(expected)
+    expected = explicit_per_reward_gradients(terms, r, params)
     assert expected.abs().max() > 1e-8
     for engine_name in ("reference", "two_stream"):
         engine = make_gradient_engine(engine_name, params, 3, transformer)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from tiny import brightness, contrast, tiny_args
+from tiny import brightness, contrast, explicit_per_reward_gradients, tiny_args
 
 from marble_trl import MarbleDiffusionNFTConfig, MarbleDiffusionNFTTrainer
 from marble_trl.balance import make_gradient_engine
@@ -166,15 +166,7 @@ def test_per_reward_gradients_over_full_weights_equal_explicit_autograd_float64(
     def terms():
         return nft_loss_terms(adapter.predict(transformer, x_t, t, cond), v_old, x_t, x0, t, 1.0)
 
-    expected = []
-    for k in range(3):
-        lt = terms()
-        loss = (r[k] * lt.loss_pos + (1 - r[k]) * lt.loss_neg).sum()
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        expected.append(
-            torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)])
-        )
-    expected = torch.stack(expected)
+    expected = explicit_per_reward_gradients(terms, r, params, allow_unused=True)
     assert expected.abs().max() > 1e-8
     auto = make_gradient_engine("auto", params, 3, transformer)
     assert type(auto).__name__ == ("ReferenceGradientEngine" if targets is None else "TwoStreamGradientEngine")

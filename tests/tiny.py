@@ -11,6 +11,8 @@ Each takes ``output_dir`` and keyword overrides of any :class:`MarbleDiffusionNF
 
 from __future__ import annotations
 
+import torch
+
 from marble_trl import MarbleDiffusionNFTConfig
 from marble_trl.models import DEFAULT_LORA_TARGETS
 
@@ -69,3 +71,16 @@ def contrast(prompts, images, **_):
 def redness(prompts, images, **_):
     images = images.float()
     return (images[:, 0] - images[:, 1:].mean(dim=1)).mean(dim=(1, 2)).tolist()
+
+
+def explicit_per_reward_gradients(terms, r: torch.Tensor, params, allow_unused: bool = False) -> torch.Tensor:
+    """``[K, P]``: reward k's gradient of ``sum_i r_ki L_pos_i + (1 - r_ki) L_neg_i`` over ``params`` (flat, in
+    order) by one ``torch.autograd.grad`` on a fresh forward ``terms()`` each; ``allow_unused``: zeros for a
+    parameter the loss does not reach (else that is an error)."""
+    rows = []
+    for k in range(r.shape[0]):
+        lt = terms()
+        loss = (r[k] * lt.loss_pos + (1 - r[k]) * lt.loss_neg).sum()
+        grads = torch.autograd.grad(loss, params, allow_unused=allow_unused)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)]))
+    return torch.stack(rows)

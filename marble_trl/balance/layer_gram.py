@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from ..distributed import is_dtensor
+from ..distributed import is_dtensor, partitioned
 from .diagnostics import ieee_fp32_matmul
 from .gradient_buffers import _buffer_dtype
 from .two_stream import _is_plain_linear, _prepare_input, _Tap, tapped, variant_params
@@ -107,10 +107,14 @@ class LayerGramEngine:
                 "takes the weights of nn.Linear layers and of modules without submodules called with one tensor. "
                 "Leave it out of full_finetune_modules / lora_target_modules, or use another marble_gradient_engine."
             )
-        partitioned = [s.name for s in self._sites if s.kind == "generic" and _is_partitioned(s)]
-        if partitioned:
+        # ZeRO-3's partitions are empty outside its gathers; FSDP2 registers the gathered weights on the module for the
+        # unit's forward and backward, which is when the taps read them.
+        zero3 = [
+            s.name for s in self._sites if s.kind == "generic" and partitioned(s.module.parameters(recurse=False))
+        ]
+        if zero3:
             raise ValueError(
-                f"marble_gradient_engine='layer_gram' differentiates {partitioned[0]} through its weights, which "
+                f"marble_gradient_engine='layer_gram' differentiates {zero3[0]} through its weights, which "
                 "ZeRO-3 partitions: train only Linear layers there (full_finetune_modules), or use DDP / FSDP2."
             )
         self._dtype = _buffer_dtype(self.params)
@@ -267,12 +271,6 @@ class LayerGramEngine:
         width = max(1, self._slice // (per_sample.shape[0] + self.num_rewards))
         for c in range(0, per_sample.shape[1], width):
             self._add(self._coeffs @ per_sample[:, c : c + width].to(self._coeffs.dtype))
-
-
-def _is_partitioned(site: _Site) -> bool:
-    # ZeRO-3's partitions are empty outside its gathers; FSDP2 registers the gathered weights on the module for the
-    # unit's forward and backward, which is when the taps read them.
-    return any(hasattr(p, "ds_shape") for p in site.module.parameters(recurse=False))
 
 
 def _build_sites(params: list[nn.Parameter], module: nn.Module) -> tuple[list[_Site], list[str]]:

@@ -214,12 +214,11 @@ def _batching(args, parsed, strategy: Strategy, report: Report) -> None:
 def _full_finetuning(transformer, args, strategy: Strategy, report: Report, num_rewards: int) -> int:
     """``use_peft=False``: the trained parameters (0 after an error), and the launcher's checks (the trainer's:
     :func:`~marble_trl.trainer.setup.check_full_finetuning_backend`)."""
-    from ..balance import AGGREGATIONS
     from ..policy.full import full_parameters
-    from ..trainer.setup import resolve_aggregation
+    from ..trainer.setup import per_reward_gradients, resolve_aggregation
 
     aggregation = resolve_aggregation(args.multi_objective_aggregation, max(num_rewards, 1))
-    engine = args.log_update_cosines or AGGREGATIONS[aggregation].balanced
+    engine = per_reward_gradients(args, aggregation)
     if strategy.kind == "fsdp2" and engine and args.marble_gradient_engine != "layer_gram":
         report.error(
             "full fine-tuning",
@@ -245,9 +244,8 @@ def _full_finetuning(transformer, args, strategy: Strategy, report: Report, num_
 
 
 def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: int, report: Report, full=0) -> None:
-    from ..balance.registry import AGGREGATIONS
     from ..commands.train import _resolve_dtype
-    from ..trainer.setup import resolve_aggregation
+    from ..trainer.setup import per_reward_gradients, resolve_aggregation
     from .fixes import plan_fixes, valid_micro_batches
     from .measurements import activation_bytes
 
@@ -256,7 +254,7 @@ def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: i
         return
     dtype = _resolve_dtype(parsed.script_args.torch_dtype, SimpleNamespace(bf16=parsed.bf16, fp16=args.fp16))
     aggregation = resolve_aggregation(args.multi_objective_aggregation, k)
-    balancer = AGGREGATIONS[aggregation].balanced or args.log_update_cosines
+    balancer = per_reward_gradients(args, aggregation)
     tokens = (
         info.architecture.tokens(args.resolution, args.max_sequence_length, args.num_frames)
         if info.architecture

@@ -33,7 +33,7 @@ from ..distributed import (
     is_deepspeed,
     is_fsdp,
     shard_like,
-    shard_lora_layers_outside_blocks,
+    shard_trained_modules_outside_blocks,
 )
 from ..policy.nft import NFTTerms
 
@@ -263,7 +263,7 @@ class FSDPBackward(PlainBackward):
     def before_prepare(self, transformer: torch.nn.Module) -> None:
         # The LoRA layers outside the blocks become units of their own just before accelerate wraps the rest
         # (marble_trl.distributed); forwards before this point (the CLI's sample grid) run on the plain module.
-        shard_lora_layers_outside_blocks(transformer, self.accelerator)
+        shard_trained_modules_outside_blocks(transformer, self.accelerator)
 
     def update_and_rows(self, buffers, params):
         # Every process gathers the whole gradient (the cosines are computed alike everywhere).

@@ -281,13 +281,19 @@ def full_policy(args, peft_config, transformer: torch.nn.Module):
     return FullPolicy(transformer, args.full_finetune_modules)
 
 
+def per_reward_gradients(args, aggregation: str) -> bool:
+    """Whether the run forms per-reward gradients (a gradient engine): a balanced aggregation, or the cosine
+    diagnostic (``log_update_cosines``)."""
+    from ..balance import AGGREGATIONS
+
+    return bool(args.log_update_cosines or AGGREGATIONS[aggregation].balanced)
+
+
 def check_full_finetuning_backend(args, backend, aggregation: str) -> None:
     """Full fine-tuning runs on one process, DDP or FSDP2: DeepSpeed partitions the weights the old policy swaps.
     Under FSDP2 its per-reward gradients come from ``layer_gram`` (one backward per solved pair): the engines that
     back-propagate one retained graph twice read units' weights FSDP2 has freed in between."""
-    from ..balance import AGGREGATIONS
-
-    engine = args.log_update_cosines or AGGREGATIONS[aggregation].balanced
+    engine = per_reward_gradients(args, aggregation)
     if not args.use_peft and backend.name == "fsdp2" and engine and args.marble_gradient_engine != "layer_gram":
         raise ValueError(
             "use_peft=False under FSDP2: the per-reward gradients take marble_procedure='released' with "
