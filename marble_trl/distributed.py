@@ -282,6 +282,12 @@ def check_frozen_models_not_partitioned(pipeline) -> None:
             )
 
 
+def is_deepspeed_param(param: torch.Tensor) -> bool:
+    """Whether DeepSpeed manages ``param``: ZeRO-3 parameters carry ``ds_id``; ZeRO-1/2 and bf16 link each parameter
+    to its optimizer state (``_hp_mapping``)."""
+    return hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None
+
+
 def partitioned(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     """The DeepSpeed ZeRO-3 partitions among ``params`` (their data is empty outside a gather)."""
     return [p for p in params if hasattr(p, "ds_id")]

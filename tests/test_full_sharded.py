@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_launchers import ACCELERATE, RECIPE, ROOT, _env, _run
+from test_launchers import ACCELERATE, RECIPE, ROOT, _env, _run, needs_deepspeed
 
 ARGS = [
     "--config", str(RECIPE), "--reward_funcs", "brightness", "contrast", "--max_steps", "3",
@@ -35,53 +35,37 @@ def _eval_args(folder: Path) -> tuple[str, ...]:
             "--eval_grid_prompts", "0")  # fmt: skip
 
 
-def _launch(out: Path, config: str, script: list[str], extra: tuple[str, ...] = ()):
+def _launch(out: Path, config: str | Path, script: list[str], extra: tuple[str, ...] = (), deepspeed: bool = False):
     def command(port: int) -> list[str]:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE / config)]
         return cmd + ["--num_processes", "2", "--main_process_port", str(port), *script, "train", *ARGS,
                       "--output_dir", str(out), *extra]  # fmt: skip
 
-    return _run(command, _env(ACCELERATE_USE_CPU="true"), out, product=TRANSFORMER)
+    # DeepSpeed without CUDA: DS_ACCELERATOR=cpu and --use_cpu false (test_launchers); the others: accelerate's CPU
+    return _run(command, _env() if deepspeed else _env(ACCELERATE_USE_CPU="true"), out, product=TRANSFORMER)
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory) -> Path:
+    """The reference: recipes/accelerate/multi_gpu.yaml, two CPU processes (gloo DDP), with the evaluation."""
+    folder = tmp_path_factory.mktemp("full-ddp")
+    _launch(folder / "ddp", "multi_gpu.yaml", ["-m", "marble_trl.cli"], _eval_args(folder))
+    return folder / "ddp"
 
 
 @pytest.mark.slow
-def test_fsdp2_full_finetuning_matches_ddp_and_resumes_exactly(tmp_path):
-    fsdp, ddp = tmp_path / "fsdp2", tmp_path / "ddp"
+def test_fsdp2_full_finetuning_matches_ddp_and_resumes_exactly(ddp, tmp_path):
+    fsdp = tmp_path / "fsdp2"
     shim = [str(ROOT / "tests" / "dist" / "fsdp_cpu.py")]
     evaluation = _eval_args(tmp_path)
     _launch(fsdp, "fsdp2.yaml", shim, evaluation)
-    _launch(ddp, "multi_gpu.yaml", ["-m", "marble_trl.cli"], evaluation)
     ranks = [json.loads((fsdp / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for state in ranks:
         assert state["distributed_type"] == "DistributedType.FSDP"
         assert state["sharded"] == state["params"] > 0  # every trained weight is a DTensor
     assert ranks[0]["local_numel"] + ranks[1]["local_numel"] == ranks[0]["numel"]  # the shards partition them
     assert ranks[0]["balancer"] == ranks[1]["balancer"] and ranks[0]["balancer"]["num_solves"] > 2
-    # the released procedure on the same two processes' micro-batches: DDP's weights and coefficients
-    a, b = load_file(str(fsdp / TRANSFORMER)), load_file(str(ddp / TRANSFORMER))
-    start = load_file(str(fsdp / "checkpoint-1" / TRANSFORMER))
-    assert a.keys() == b.keys()
-    moved = max((b[n] - start[n]).abs().max().item() for n in b)
-    assert moved > 1e-4
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5 * moved, msg=name)
-    ddp_balancer = json.loads((ddp / "checkpoint-3" / "marble_balancer.json").read_text())
-    fsdp_balancer = json.loads((fsdp / "checkpoint-3" / "marble_balancer.json").read_text())
-    torch.testing.assert_close(
-        torch.tensor(fsdp_balancer["alpha_bar"]), torch.tensor(ddp_balancer["alpha_bar"]), atol=1e-4, rtol=0
-    )
-    # the checkpoint's old policy and EMA are whole tensors, gathered from the shards
-    for file in ("old_policy.safetensors", "param_ema.safetensors"):
-        mine, theirs = (load_file(str(run / "checkpoint-3" / file)) for run in (fsdp, ddp))
-        assert mine.keys() == theirs.keys() and all(mine[n].shape == theirs[n].shape for n in mine), file
-        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * moved, msg=file)
-    # the evaluation at step 2 drew with the EMA swapped into the shards: DDP's scores
-    scores = [
-        {k: v for row in _metrics(run) for k, v in row.items() if k.startswith("eval_rewards/")} for run in (fsdp, ddp)
-    ]
-    assert scores[0] and scores[0].keys() == scores[1].keys()
-    for key in scores[0]:
-        assert scores[0][key] == pytest.approx(scores[1][key], abs=1e-4), key
+    a = _assert_same_run(fsdp, ddp)
     # the gathered folder is a diffusers model
     from diffusers import SD3Transformer2DModel
 
@@ -96,5 +80,61 @@ def test_fsdp2_full_finetuning_matches_ddp_and_resumes_exactly(tmp_path):
         assert torch.equal(again[name], final[name]), name
 
 
+def _assert_same_run(run: Path, ddp: Path) -> dict[str, torch.Tensor]:
+    """``run`` trained DDP's weights on the same two processes' micro-batches (the released procedure), with its
+    coefficients, whole old policy and EMA in the checkpoints and its evaluation scores (drawn with the EMA swapped
+    in); returns the trained weights."""
+    a, b = load_file(str(run / TRANSFORMER)), load_file(str(ddp / TRANSFORMER))
+    start = load_file(str(run / "checkpoint-1" / TRANSFORMER))
+    assert a.keys() == b.keys()
+    moved = max((b[n] - start[n]).abs().max().item() for n in b)
+    assert moved > 1e-4
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5 * moved, msg=name)
+    ddp_balancer = json.loads((ddp / "checkpoint-3" / "marble_balancer.json").read_text())
+    run_balancer = json.loads((run / "checkpoint-3" / "marble_balancer.json").read_text())
+    torch.testing.assert_close(
+        torch.tensor(run_balancer["alpha_bar"]), torch.tensor(ddp_balancer["alpha_bar"]), atol=1e-4, rtol=0
+    )
+    # the checkpoint's old policy and EMA are whole tensors (under FSDP2 gathered from the shards)
+    for file in ("old_policy.safetensors", "param_ema.safetensors"):
+        mine, theirs = (load_file(str(folder / "checkpoint-3" / file)) for folder in (run, ddp))
+        assert mine.keys() == theirs.keys() and all(mine[n].shape == theirs[n].shape for n in mine), file
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * moved, msg=file)
+    # the evaluation at step 2 drew with the EMA swapped in: DDP's scores
+    scores = [
+        {k: v for row in _metrics(folder) for k, v in row.items() if k.startswith("eval_rewards/")}
+        for folder in (run, ddp)
+    ]
+    assert scores[0] and scores[0].keys() == scores[1].keys()
+    for key in scores[0]:
+        assert scores[0][key] == pytest.approx(scores[1][key], abs=1e-4), key
+    return a
+
+
 def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@needs_deepspeed
+def test_deepspeed_zero2_full_finetuning_matches_ddp_and_resumes_exactly(ddp, tmp_path):
+    """recipes/accelerate/deepspeed_zero2.yaml over two CPU processes: the optimizer state and gradients of every weight
+    partitioned, the weights whole (the old policy, reference and EMA swap by pointer into DeepSpeed's flat buffer);
+    DDP's weights, copies and evaluation, and an exact resume from DeepSpeed's engine checkpoint (which restores the
+    trained weights: the checkpoint's transformer/ is not read back)."""
+    zero2 = tmp_path / "zero2"
+    config = ACCELERATE / "deepspeed_zero2.yaml"
+    evaluation = (*_eval_args(tmp_path), "--use_cpu", "false")
+    _launch(zero2, config, ["-m", "marble_trl.cli"], evaluation, deepspeed=True)
+    args = torch.load(zero2 / "training_args.bin", weights_only=False)
+    assert args.world_size == 2 and args.ddp_backend == "gloo"
+    assert sorted(p.name for p in (zero2 / "checkpoint-1").glob("global_step*"))  # DeepSpeed's engine checkpoint
+    _assert_same_run(zero2, ddp)
+    final = load_file(str(zero2 / TRANSFORMER))
+    (zero2 / TRANSFORMER).unlink()
+    resume = (*evaluation, "--resume_from_checkpoint", str(zero2 / "checkpoint-1"))
+    _launch(zero2, config, ["-m", "marble_trl.cli"], resume, deepspeed=True)
+    again = load_file(str(zero2 / TRANSFORMER))
+    for name in final:
+        assert torch.equal(again[name], final[name]), name

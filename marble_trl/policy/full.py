@@ -16,7 +16,13 @@ With LoRA the old policy is a second adapter and the reference is the transforme
 Under FSDP2 the parameters become ``DTensor`` shards after the policy is built: at their first use the copies become
 this process's shards too (:mod:`.full_shards`; the whole copies built before sharding stay in host memory until
 then), and a swap copies the copy's shard into the parameter's (the buffer FSDP gathers from) with every unit
-resharded around it, so no process ever holds a whole copy on the accelerator. DeepSpeed ZeRO is refused with
+resharded around it, so no process ever holds a whole copy on the accelerator.
+
+Under DeepSpeed ZeRO-1/2 the parameters stay whole (views into DeepSpeed's flat buffer, which the swap restores), so
+the pointer swap works as without it; with bf16 / fp16 DeepSpeed casts the module and keeps the float32 masters in its
+optimizer: the soft update, the EMA and ``transformer/`` read those masters (:func:`~.lora.master_weight`), and a
+swapped-in float32 copy is rounded to the module's dtype for the forward (a transient copy of the trained weights in
+that dtype, as the LoRA's old adapter is rounded under DeepSpeed). ZeRO-3 is refused with
 ``use_peft=False`` for now (docs/models.md, "Full fine-tuning").
 """
 
@@ -28,9 +34,9 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from ..distributed import is_fsdp_module, reshard
+from ..distributed import is_deepspeed_param, is_fsdp_module, reshard, whole_state_dict
 from .full_shards import ShardedCopies, is_sharded
-from .lora import ADAPTER_DTYPE, LoraEMA
+from .lora import ADAPTER_DTYPE, LoraEMA, master_weight
 
 POLICY_ATTRIBUTE = "_marble_full_policy"  # the policy on its transformer (a plain attribute, not a submodule)
 
@@ -105,18 +111,23 @@ class FullPolicy:
                 yield
             return
         params = self.trainable(transformer)
-        swapped: list[tuple[str, nn.Parameter]] = []
+        saved: list[tuple[nn.Parameter, torch.Tensor]] = []
         torch.clear_autocast_cache()
         try:
             for name, param in params.items():
                 if weights[name].device != param.device:
                     weights[name] = weights[name].to(param.device)
-                param.data, weights[name] = weights[name], param.data
-                swapped.append((name, param))
+                value = weights[name]
+                if value.dtype != param.dtype and is_deepspeed_param(param):
+                    # DeepSpeed bf16 / fp16 casts the module and runs it without autocast: the forward takes the
+                    # copy rounded to the module's dtype (as the LoRA's old adapter is under DeepSpeed)
+                    value = value.to(param.dtype)
+                saved.append((param, param.data))
+                param.data = value
             yield
         finally:
-            for name, param in reversed(swapped):
-                param.data, weights[name] = weights[name], param.data
+            for param, data in reversed(saved):
+                param.data = data
             torch.clear_autocast_cache()
 
     @contextlib.contextmanager
@@ -158,8 +169,21 @@ class FullPolicy:
         for name, param in params.items():
             if self.old[name].device != param.device:  # the model moved after the policy was built
                 self.old[name] = self.old[name].to(param.device)
-            value = param.to_local() if sharded else param.detach()
+            # DeepSpeed bf16 / fp16: its float32 master (a collective: every process updates every weight in order)
+            value = param.to_local() if sharded else master_weight(param)
             self.old[name].mul_(eta).add_(value, alpha=1.0 - eta)
+
+    def saved_state(self, transformer: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The tensors ``transformer/`` is written from (every process must call this), or None to write the module
+        as it is: under FSDP2 the whole state dict gathered from the shards (on the main process), under DeepSpeed
+        bf16 / fp16 the module's with the trained weights' float32 masters in place of their rounded copies."""
+        if is_fsdp_module(transformer):
+            return whole_state_dict(transformer)
+        params = self.trainable(transformer)
+        if not any(p.dtype != ADAPTER_DTYPE and is_deepspeed_param(p) for p in params.values()):
+            return None
+        masters = {name: master_weight(param).cpu() for name, param in params.items()}  # one at a time
+        return {**{k: v.detach().cpu() for k, v in transformer.state_dict().items()}, **masters}
 
     def reset(self) -> None:
         """Nothing to forget: the old weights are the copy itself (LoRA's :class:`~.lora.OldPolicy` keeps a DeepSpeed

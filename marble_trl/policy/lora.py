@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..distributed import copy_full_, full_tensor, gathered, is_fsdp_module, reshard
+from ..distributed import copy_full_, full_tensor, gathered, is_deepspeed_param, is_fsdp_module, reshard
 
 TRAIN_ADAPTER = "default"
 OLD_ADAPTER = "old"
@@ -148,20 +148,18 @@ def master_weights(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
     """Float32 values of trainable ``params``: DeepSpeed's float32 master copy when it holds one (bf16 / fp16 training
     casts the module's parameters down and keeps the float32 weights in the optimizer), else the parameters
     themselves. Under ZeRO-3 call it inside :func:`~marble_trl.distributed.gathered` (every process)."""
-    out = {}
-    for name, param in params.items():
-        full = None
-        if param.dtype != torch.float32 and _is_deepspeed_param(param):
-            from deepspeed.utils import safe_get_full_fp32_param
-
-            full = safe_get_full_fp32_param(param)
-        out[name] = (full if full is not None else param.detach()).float()
-    return out
+    return {name: master_weight(param) for name, param in params.items()}
 
 
-def _is_deepspeed_param(param: torch.Tensor) -> bool:
-    # ZeRO-3 parameters carry ds_id; ZeRO-1/2 and bf16 link each parameter to its optimizer state (_hp_mapping).
-    return hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None
+def master_weight(param: nn.Parameter) -> torch.Tensor:
+    """One parameter's float32 value (:func:`master_weights`; under DeepSpeed bf16 / fp16 a collective: every process
+    calls it for the same parameters in the same order)."""
+    full = None
+    if param.dtype != torch.float32 and is_deepspeed_param(param):
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        full = safe_get_full_fp32_param(param)
+    return (full if full is not None else param.detach()).float()
 
 
 class OldPolicy:
@@ -236,8 +234,8 @@ class LoraEMA:
     def update(self, transformer: nn.Module, decay: float) -> None:
         params = self._params(transformer)
         with gathered(params.values()):  # ZeRO-3: read the full (gathered) weights, on every process
-            for name, value in master_weights(params).items():
-                value = full_tensor(value)  # FSDP2: gathered, on every process
+            for name, param in params.items():  # one float32 master at a time (a full fine-tune's are the model's)
+                value = full_tensor(master_weight(param))  # FSDP2: gathered, on every process
                 self.shadow[name].mul_(decay).add_(value.to(self.shadow[name].device), alpha=1.0 - decay)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

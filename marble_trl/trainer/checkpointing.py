@@ -170,7 +170,7 @@ def load_training_state(trainer: Trainer, folder: str | os.PathLike, engine_rest
     if trainer.param_ema is not None and not files.get("param_ema"):
         raise ValueError(f"{folder} has no parameter EMA (trained with param_ema=False); this trainer has one.")
     if trainer.full_policy is not None:
-        load_full_state(trainer, folder, files)
+        load_full_state(trainer, folder, files, engine_restored)
     else:
         if not engine_restored:
             load_adapter_state(transformer, TRAIN_ADAPTER, folder / files["lora"])
@@ -374,13 +374,15 @@ def trained_lora_layers(
         return {name: full_tensor(value).cpu().clone() for name, value in masters.items()}  # FSDP2: gathered
 
 
-def load_full_state(trainer: Trainer, folder: Path, files: dict[str, Any]) -> None:
-    """Full fine-tuning: the trained weights (``transformer/``), the old policy and, when both have one, the EMA (the
-    checks around it and the balancer: :func:`load_training_state`, which a best-checkpoint load skips)."""
+def load_full_state(trainer: Trainer, folder: Path, files: dict[str, Any], engine_restored: bool = False) -> None:
+    """Full fine-tuning: the trained weights (``transformer/``; not when DeepSpeed's engine checkpoint restored them
+    with their float32 masters), the old policy and, when both have one, the EMA (the checks around it and the
+    balancer: :func:`load_training_state`, which a best-checkpoint load skips)."""
     from safetensors.torch import load_file
 
     reshard(trainer.transformer)  # FSDP2: the sharded parameters, not a forward's gathered copies
-    load_trained_weights(trainer.trainable_parameters(), folder)
+    if not engine_restored:
+        load_trained_weights(trainer.trainable_parameters(), folder)
     trainer.full_policy.load_old(load_file(str(folder / files["old_policy"])), trainer.transformer)
     if trainer.param_ema is not None and files.get("param_ema"):
         trainer.param_ema.load_state_dict(load_file(str(folder / files["param_ema"])), trainer.transformer)

@@ -22,7 +22,6 @@ import torch
 from transformers.trainer import TRAINER_STATE_NAME
 
 from ..artifacts import TRAINING_ARGS_FILE
-from ..distributed import whole_state_dict
 from ..persistence.full_weights import save_transformer
 from ..publish.run_info import write_export_config
 from .checkpointing import (
@@ -61,7 +60,7 @@ class PersistenceHooks:
         (``transformer/``, loadable with the family's transformer class ``from_pretrained``)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.full_policy is not None:  # use_peft=False: the whole transformer as a diffusers model folder
-            state = whole_state_dict(self.transformer) if self.backend.shards_transformer else None  # every process
+            state = self.full_policy.saved_state(self.transformer)  # every process (FSDP2, DeepSpeed gather)
             if self.args.should_save:
                 os.makedirs(output_dir, exist_ok=True)
                 save_transformer(self.transformer, output_dir, state)

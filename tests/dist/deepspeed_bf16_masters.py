@@ -1,8 +1,12 @@
-"""Worker for test_precision: a real DeepSpeed ZeRO-2 bf16 engine (1 CPU process) over the tiny transformer's LoRA.
+"""Worker for test_precision: real DeepSpeed ZeRO-2 bf16 engines (1 CPU process) over the tiny transformer's LoRA,
+then over its own weights (full fine-tuning).
 
 DeepSpeed casts every module parameter to bf16 and keeps float32 masters of the trainable ones in its optimizer.
 Checks that ``master_weights`` reads those masters, and that ``OldPolicy`` and ``LoraEMA`` follow their float32
-formulas from them over several optimizer steps, while the module's old adapter is the master rounded to bf16.
+formulas from them over several optimizer steps, while the module's old adapter is the master rounded to bf16; then
+that a full fine-tune's ``FullPolicy`` and ``FullEMA`` do the same, that its old policy and reference swap in as bf16
+(the module's dtype: DeepSpeed runs it without autocast) and the swap restores DeepSpeed's own tensors, and that
+``transformer/`` is written from the masters.
 Exits non-zero (an AssertionError) on failure. Run: python deepspeed_bf16_masters.py PORT
 """
 
@@ -17,8 +21,9 @@ import torch  # noqa: E402
 from deepspeed.utils import safe_get_full_fp32_param  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 
-from marble_trl.policy.lora import LoraEMA, OldPolicy, add_policy_adapters, lora_parameters, master_weights  # noqa: E402
 from marble_trl.models import load_sd3_pipeline  # noqa: E402
+from marble_trl.policy.full import FullEMA, FullPolicy  # noqa: E402
+from marble_trl.policy.lora import LoraEMA, OldPolicy, add_policy_adapters, lora_parameters, master_weights  # noqa: E402
 
 ETA, DECAY, STEPS = 0.999, 0.9, 4
 EPS32 = torch.finfo(torch.float32).eps
@@ -28,7 +33,22 @@ def old_name(name: str) -> str:
     return name.replace(".default.", ".old.")
 
 
-def main() -> None:
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "gradient_accumulation_steps": 1,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 2},
+    "zero_allow_untested_optimizer": True,
+}
+
+
+def step(engine, gen: torch.Generator) -> None:
+    out = engine(**_inputs(gen), return_dict=False)[0]
+    engine.backward(out.float().square().mean())
+    engine.step()
+
+
+def lora_main() -> None:
     torch.manual_seed(0)
     transformer = load_sd3_pipeline("tiny").transformer
     add_policy_adapters(
@@ -38,16 +58,9 @@ def main() -> None:
     train = lora_parameters(transformer, "default")
     old = lora_parameters(transformer, "old")
     ema = LoraEMA(transformer)
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 2},
-        "zero_allow_untested_optimizer": True,
-    }
     optimizer = torch.optim.SGD(list(train.values()), lr=0.5)
     engine, *_ = deepspeed.initialize(
-        model=transformer, model_parameters=list(train.values()), optimizer=optimizer, config=config
+        model=transformer, model_parameters=list(train.values()), optimizer=optimizer, config=CONFIG
     )
     assert {p.dtype for p in [*train.values(), *old.values()]} == {torch.bfloat16}, "DeepSpeed bf16 casts the module"
 
@@ -57,17 +70,7 @@ def main() -> None:
     # the EMA started from the float32 init; DeepSpeed's master starts from its bf16 rounding
     gen = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
-        x = torch.randn(2, 4, 16, 16, generator=gen).bfloat16()
-        embeds, pooled = torch.randn(2, 6, 32, generator=gen).bfloat16(), torch.randn(2, 64, generator=gen).bfloat16()
-        out = engine(
-            hidden_states=x,
-            timestep=torch.tensor([500.0, 300.0]),
-            encoder_hidden_states=embeds,
-            pooled_projections=pooled,
-            return_dict=False,
-        )[0]
-        engine.backward(out.float().square().mean())
-        engine.step()
+        step(engine, gen)
         masters = master_weights(train)
         for n, p in train.items():
             full = safe_get_full_fp32_param(p)
@@ -87,8 +90,67 @@ def main() -> None:
         assert torch.equal(old[old_name(n)].detach(), state[old_name(n)].bfloat16()), n
         ema_scale = max(exact_ema[n].abs().max().item(), 1e-30)
         assert (ema.state_dict()[n].double() - exact_ema[n]).abs().max().item() <= 4 * STEPS * EPS32 * ema_scale, n
-    print("ok")
+
+
+def full_main() -> None:
+    """Full fine-tuning of the attention's query and value weights under the same engine."""
+    torch.manual_seed(0)
+    transformer = load_sd3_pipeline("tiny").transformer
+    policy = FullPolicy(transformer, ["attn.to_q", "attn.to_v"])
+    train = policy.trainable(transformer)
+    ema = FullEMA(transformer)
+    optimizer = torch.optim.SGD(list(train.values()), lr=0.5)
+    engine, *_ = deepspeed.initialize(
+        model=transformer, model_parameters=list(train.values()), optimizer=optimizer, config=CONFIG
+    )
+    assert {p.dtype for p in train.values()} == {torch.bfloat16}, "DeepSpeed bf16 casts the module"
+    exact_old = {n: t.double().clone() for n, t in policy.old.items()}
+    exact_ema = {n: t.double().clone() for n, t in ema.state_dict().items()}
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        step(engine, gen)
+        masters = master_weights(train)
+        policy.update(transformer, ETA)
+        ema.update(transformer, DECAY)
+        for n in train:
+            exact_old[n] = ETA * exact_old[n] + (1 - ETA) * masters[n].double()
+            exact_ema[n] = DECAY * exact_ema[n] + (1 - DECAY) * masters[n].double()
+    assert max((masters[n] - masters[n].bfloat16().float()).abs().max().item() for n in train) > 0
+    for n in train:
+        scale = max(exact_old[n].abs().max().item(), 1e-30)
+        assert policy.old[n].dtype == torch.float32
+        assert (policy.old[n].double() - exact_old[n]).abs().max().item() <= 4 * STEPS * EPS32 * scale, n
+        ema_scale = max(exact_ema[n].abs().max().item(), 1e-30)
+        assert (ema.state_dict()[n].double() - exact_ema[n]).abs().max().item() <= 4 * STEPS * EPS32 * ema_scale, n
+    # the swaps: the old policy rounded to the module's bf16 (its float32 copy untouched), the reference (the loaded
+    # float32 weights, rounded as well); DeepSpeed's own tensors (views into its flat buffer) back afterwards
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in train.items()}
+    for use, weights in ((policy.use_old, policy.old), (policy.use_reference, policy.reference)):
+        with use(transformer):
+            for n, p in train.items():
+                assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), weights[n].bfloat16()), n
+            assert torch.isfinite(transformer(**_inputs(gen), return_dict=False)[0]).all()  # runs without autocast
+        for n, p in train.items():
+            assert p.data_ptr() == before[n][0] and torch.equal(p.detach(), before[n][1]), n
+    # transformer/ is written from the float32 masters; the frozen weights as the module holds them
+    state = policy.saved_state(transformer)
+    assert state is not None
+    for n in train:
+        assert state[n].dtype == torch.float32 and torch.equal(state[n], masters[n].cpu()), n
+    frozen = next(n for n in state if n not in train)
+    assert torch.equal(state[frozen], transformer.state_dict()[frozen])
+
+
+def _inputs(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {
+        "hidden_states": torch.randn(2, 4, 16, 16, generator=gen).bfloat16(),
+        "timestep": torch.tensor([500.0, 300.0]),
+        "encoder_hidden_states": torch.randn(2, 6, 32, generator=gen).bfloat16(),
+        "pooled_projections": torch.randn(2, 64, generator=gen).bfloat16(),
+    }
 
 
 if __name__ == "__main__":
-    main()
+    lora_main()
+    full_main()
+    print("ok")
