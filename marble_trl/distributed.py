@@ -293,6 +293,16 @@ def partitioned(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter
     return [p for p in params if hasattr(p, "ds_id")]
 
 
+def not_gathered(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The ZeRO-3 partitions among ``params`` whose whole value is not gathered right now."""
+    parts = partitioned(params)
+    if not parts:
+        return []
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [p for p in parts if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+
+
 @contextlib.contextmanager
 def gathered(params: Iterable[torch.nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
     """ZeRO-3: gather the partitioned ``params`` for the block (every rank must enter it; with ``modifier_rank``,

@@ -27,7 +27,8 @@ Sites (what a trained parameter must belong to):
   they are sliced.
 
 A trained module called twice in one forward, or a weight tied between modules, is refused: the Gram is quadratic,
-so each weight's gradient must be summed over its uses before the product. These read the weights: FSDP2 has gathered them there, ZeRO-3 has not (refused).
+so each weight's gradient must be summed over its uses before the product. The ``torch.func`` modules read their
+weights in the backward: FSDP2 has gathered them there; a ZeRO-3 partition not yet gathered is gathered for the tap.
 
 Cost of a solved pair: a forward and a backward on twice the micro-batch (the two-stream engine: one forward and two
 backwards on it), so twice the activations of that forward. Exact against explicit ``torch.autograd.grad``:
@@ -42,7 +43,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from ..distributed import is_dtensor, partitioned
+from ..distributed import gathered, is_dtensor, not_gathered
 from .diagnostics import ieee_fp32_matmul
 from .gradient_buffers import _buffer_dtype
 from .two_stream import _is_plain_linear, _prepare_input, _Tap, tapped, variant_params
@@ -106,16 +107,6 @@ class LayerGramEngine:
                 f"marble_gradient_engine='layer_gram' cannot handle trainable parameter {unsupported[0]}{more}: it "
                 "takes the weights of nn.Linear layers and of modules without submodules called with one tensor. "
                 "Leave it out of full_finetune_modules / lora_target_modules, or use another marble_gradient_engine."
-            )
-        # ZeRO-3's partitions are empty outside its gathers; FSDP2 registers the gathered weights on the module for the
-        # unit's forward and backward, which is when the taps read them.
-        zero3 = [
-            s.name for s in self._sites if s.kind == "generic" and partitioned(s.module.parameters(recurse=False))
-        ]
-        if zero3:
-            raise ValueError(
-                f"marble_gradient_engine='layer_gram' differentiates {zero3[0]} through its weights, which "
-                "ZeRO-3 partitions: train only Linear layers there (full_finetune_modules), or use DDP / FSDP2."
             )
         self._dtype = _buffer_dtype(self.params)
         device = self.params[0].device
@@ -245,7 +236,15 @@ class LayerGramEngine:
             self._add(coeffs @ dy3.sum(dim=1).to(coeffs.dtype))  # [K, out]
 
     def _generic(self, site: _Site, x: Tensor, dy: Tensor) -> None:
-        from torch.func import functional_call, vjp, vmap
+        # FSDP2 registers the gathered weights on the module for the unit's backward, when the taps run; ZeRO-3's
+        # partitions may still be empty then (its pre-backward gather runs after this tap): gathered here, on every
+        # process in the same order (the backward's), only those not gathered already.
+        with gathered(not_gathered(site.module.parameters(recurse=False))):
+            self._generic_rows(site, x, dy)
+
+    def _generic_rows(self, site: _Site, x: Tensor, dy: Tensor) -> None:
+        from torch.func import vjp, vmap
+        from torch.nn.utils.stateless import _reparametrize_module
 
         module = site.module
         values = {name: getattr(module, name).detach() for name in site.names}
@@ -257,7 +256,10 @@ class LayerGramEngine:
 
         def one(x_i: Tensor, dy_i: Tensor) -> dict[str, Tensor]:
             def forward(p: dict[str, Tensor]) -> Tensor:
-                return functional_call(module, p, (x_i.unsqueeze(0),)).squeeze(0)
+                # the module's own forward, without its hooks (ZeRO-3's and FSDP2's would gather the weights the
+                # reparametrisation replaced): torch.func.functional_call, minus the hooks
+                with _reparametrize_module(module, p):
+                    return module.forward(x_i.unsqueeze(0)).squeeze(0)
 
             out, pullback = vjp(forward, values)
             return pullback(dy_i.to(out.dtype))[0]

@@ -29,13 +29,13 @@ that dtype, as the LoRA's old adapter is rounded under DeepSpeed). ZeRO-3 is ref
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from ..distributed import is_deepspeed_param, is_fsdp_module, reshard, whole_state_dict
-from .full_shards import ShardedCopies, is_sharded
+from .full_shards import ShardedCopies, is_sharded, is_zero3, local_part, whole_of
 from .lora import ADAPTER_DTYPE, LoraEMA, master_weight
 
 POLICY_ATTRIBUTE = "_marble_full_policy"  # the policy on its transformer (a plain attribute, not a submodule)
@@ -56,6 +56,37 @@ def full_parameters(transformer: nn.Module, targets: Sequence[str] | None) -> di
         if module_name and matches(module_name, targets):
             for name, param in module.named_parameters(prefix=module_name):
                 out.setdefault(name, param)
+    return out
+
+
+def local_master(param: nn.Parameter) -> torch.Tensor:
+    """This process's shard of a sharded trained weight in float32: FSDP2's local shard, or under ZeRO-3 DeepSpeed's
+    float32 master partition (shaped like ``ds_tensor``)."""
+    if is_zero3(param):
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        return safe_get_local_fp32_param(param)
+    return param.to_local()
+
+
+def zero3_state_dict(transformer: nn.Module, trained: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """The whole state dict of a ZeRO-3 ``transformer`` on the CPU of the main process (empty on the others; every
+    process must call this): the trained weights from DeepSpeed's float32 masters, the frozen ones from their
+    partitions, one parameter at a time."""
+    import torch.distributed as dist
+
+    keep = dist.get_rank() == 0
+    out = {}
+    for name, param in transformer.named_parameters():
+        if is_zero3(param):
+            value = whole_of(local_master(param) if name in trained else param.ds_tensor, param)
+        else:
+            value = param.detach().cpu()
+        if keep:
+            out[name] = value
+    if keep:
+        params = set(out)
+        out.update({k: v.detach().cpu() for k, v in transformer.state_dict().items() if k not in params})
     return out
 
 
@@ -90,8 +121,14 @@ class FullPolicy:
                     self.reference[name] = loaded.clone()
                 param.requires_grad_(True)
         self.old = {name: param.detach().clone() for name, param in params.items()}
-        self.shards = ShardedCopies()  # FSDP2: the copies become this process's shards at their first use
+        self.shards = ShardedCopies()  # FSDP2 / ZeRO-3: the copies become this process's shards at their first use
+        self.release: Callable[[], None] | None = None  # ZeRO-3: drops the engine's gathered weights (the trainer's)
         transformer.__dict__[POLICY_ATTRIBUTE] = self
+
+    def sharded(self, transformer: nn.Module) -> bool:
+        """Whether the trained weights are sharded (FSDP2 or DeepSpeed ZeRO-3): the copies are then this process's
+        shards, and saving them gathers (every process must take part)."""
+        return is_fsdp_module(transformer) or is_sharded(self.trainable(transformer))
 
     def trainable(self, transformer: nn.Module) -> dict[str, nn.Parameter]:
         """The trained parameters by name (the transformer's own names)."""
@@ -106,7 +143,7 @@ class FullPolicy:
         dicts) follows its parameter here, once. Autocast caches its low-precision copy of a float32 parameter by the
         parameter itself, which a ``.data`` swap keeps: the cache is cleared on both sides of the swap, or a second
         forward in the same autocast region (``v_ref`` after ``v_old``) would reuse the first one's weights."""
-        if is_fsdp_module(transformer):  # (its parameters may be a forward's gathered copies until resharded)
+        if self.sharded(transformer):  # FSDP2 or ZeRO-3 (decided by the module: a forward can leave them gathered)
             with self._swapped_shards(transformer, weights):
                 yield
             return
@@ -132,9 +169,10 @@ class FullPolicy:
 
     @contextlib.contextmanager
     def _swapped_shards(self, transformer: nn.Module, weights: dict[str, torch.Tensor]) -> Iterator[None]:
-        """FSDP2: copy ``weights``' shards into the parameters' shards (the buffers the all-gather reads), the units
-        resharded first so that no gathered copy of the trained weights survives into the forward, and back."""
-        reshard(transformer)
+        """Sharded weights: copy ``weights``' shards into the parameters' own (the buffers the all-gather reads: FSDP2's
+        local shard, ZeRO-3's ``ds_tensor``), every gathered copy released first so that none of the trained weights
+        survives into the forward, and back."""
+        self._release(transformer)
         params = self.trainable(transformer)
         self.shards.localise(weights, params)
         saved = {}
@@ -142,16 +180,28 @@ class FullPolicy:
         try:
             with torch.no_grad():
                 for name, param in params.items():
-                    local = param.to_local()
+                    local = local_part(param)
                     saved[name] = local.clone()
-                    local.copy_(weights[name])
+                    local.copy_(weights[name])  # (rounded to the partition's dtype under DeepSpeed bf16)
             yield
         finally:
-            reshard(transformer)
+            self._release(transformer)
             with torch.no_grad():
                 for name, value in saved.items():
-                    params[name].to_local().copy_(value)
+                    local_part(params[name]).copy_(value)
             torch.clear_autocast_cache()
+
+    def _release(self, transformer: nn.Module) -> None:
+        """Drop every gathered copy of the weights: FSDP2 reshards its units; under ZeRO-3, the engine's
+        ``empty_partition_cache`` (:attr:`release`, set by the trainer once the engine exists)."""
+        reshard(transformer)
+        if any(is_zero3(p) for p in self.trainable(transformer).values()):
+            if self.release is None:
+                raise RuntimeError(
+                    "FullPolicy.release is unset under ZeRO-3: set it to the DeepSpeed engine's empty_partition_cache "
+                    "(the trainer does)."
+                )
+            self.release()
 
     def use_old(self, transformer: nn.Module) -> contextlib.AbstractContextManager[None]:
         return self.swapped(transformer, self.old)
@@ -167,10 +217,11 @@ class FullPolicy:
         self.shards.localise(self.old, params)
         sharded = is_sharded(params)
         for name, param in params.items():
-            if self.old[name].device != param.device:  # the model moved after the policy was built
+            if not sharded and self.old[name].device != param.device:  # the model moved after the policy was built
                 self.old[name] = self.old[name].to(param.device)
-            # DeepSpeed bf16 / fp16: its float32 master (a collective: every process updates every weight in order)
-            value = param.to_local() if sharded else master_weight(param)
+            # DeepSpeed bf16 / fp16: its float32 master (ZeRO-1/2: a collective, every process updates every weight
+            # in order); sharded: this process's shard of it
+            value = local_master(param) if sharded else master_weight(param)
             self.old[name].mul_(eta).add_(value, alpha=1.0 - eta)
 
     def saved_state(self, transformer: nn.Module) -> dict[str, torch.Tensor] | None:
@@ -180,6 +231,8 @@ class FullPolicy:
         if is_fsdp_module(transformer):
             return whole_state_dict(transformer)
         params = self.trainable(transformer)
+        if is_sharded(params):  # ZeRO-3: every parameter gathered from its partitions, one at a time
+            return zero3_state_dict(transformer, params)
         if not any(p.dtype != ADAPTER_DTYPE and is_deepspeed_param(p) for p in params.values()):
             return None
         masters = {name: master_weight(param).cpu() for name, param in params.items()}  # one at a time
@@ -226,22 +279,22 @@ class FullEMA(LoraEMA):
         more whole copy of the transformer)."""
         return self._policy(transformer).swapped(transformer, self.shadow)
 
-    # Under FSDP2 the shadow is this process's shards, tracked by the policy's registry with its other copies (LoRA's
-    # EMA is whole on every process).
+    # Under FSDP2 and ZeRO-3 the shadow is this process's shards, tracked by the policy's registry with its other
+    # copies (LoRA's EMA is whole on every process).
     @torch.no_grad()
     def update(self, transformer: nn.Module, decay: float) -> None:
-        if not is_fsdp_module(transformer):
+        if not self._policy(transformer).sharded(transformer):
             super().update(transformer, decay)
             return
         reshard(transformer)
         params = self._params(transformer)
         self._policy(transformer).shards.localise(self.shadow, params)
         for name, param in params.items():
-            self.shadow[name].mul_(decay).add_(param.to_local(), alpha=1.0 - decay)
+            self.shadow[name].mul_(decay).add_(local_master(param), alpha=1.0 - decay)
 
     def state_dict(self, transformer: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """Whole tensors by parameter name (under FSDP2 gathered from the shards: every process must call this with
-        the ``transformer``; without it, the shadow as held)."""
+        """Whole tensors by parameter name (under FSDP2 / ZeRO-3 gathered from the shards: every process must call this
+        with the ``transformer``; without it, the shadow as held)."""
         if transformer is None:
             return dict(self.shadow)
         return self._policy(transformer).shards.whole(self.shadow, self._params(transformer))

@@ -1,11 +1,15 @@
-"""FSDP2 shards of full fine-tuning's copies of the trained weights (the old policy, the reference, the parameter EMA).
+"""This process's shards of full fine-tuning's copies of the trained weights (the old policy, the reference, the
+parameter EMA) when the trained weights themselves are sharded: FSDP2 ``DTensor`` shards, or DeepSpeed ZeRO-3
+partitions.
 
-The copies are built from the whole weights before accelerate shards the transformer (``fully_shard`` turns every
-parameter into a ``DTensor`` at ``prepare``). At their first use after that, :meth:`ShardedCopies.localise` replaces
-each whole copy by this process's shard of it (plain tensors shaped like ``param.to_local()``, in the copy's own
-dtype, on the parameter's device), so no process keeps a whole copy on the accelerator; :meth:`ShardedCopies.whole`
-gathers them back for a checkpoint (a collective: every process calls it) and :meth:`ShardedCopies.load` cuts a
-checkpoint's whole tensors into shards. Without FSDP2 every method leaves the copies whole.
+The copies are built from the whole weights before the model is sharded (``fully_shard`` at ``prepare`` turns every
+parameter into a ``DTensor``; the ZeRO-3 engine empties every parameter and keeps a flat partition, ``ds_tensor``). At
+their first use after that, :meth:`ShardedCopies.localise` replaces each whole copy by this process's shard of it (in
+the copy's own dtype, on the parameter's device): a plain tensor shaped like ``param.to_local()`` under FSDP2, or like
+``param.ds_tensor`` under ZeRO-3 (this rank's slice of the flattened weight, zero-padded as DeepSpeed pads its last
+partition). So no process keeps a whole copy on the accelerator. :meth:`ShardedCopies.whole` gathers them back for a
+checkpoint (a collective: every process calls it) and :meth:`ShardedCopies.load` cuts a checkpoint's whole tensors
+into shards. With whole parameters every method leaves the copies whole.
 """
 
 from __future__ import annotations
@@ -16,18 +20,62 @@ from torch import nn
 from ..distributed import is_dtensor
 
 
+def is_zero3(param: torch.Tensor) -> bool:
+    """A DeepSpeed ZeRO-3 parameter (its value is the flat partition ``param.ds_tensor`` outside a gather)."""
+    return hasattr(param, "ds_tensor")
+
+
 def is_sharded(params: dict[str, nn.Parameter]) -> bool:
-    """Whether the parameters are FSDP2 shards (``DTensor``)."""
-    return any(is_dtensor(p) for p in params.values())
+    """Whether the parameters are FSDP2 shards (``DTensor``) or ZeRO-3 partitions."""
+    return any(is_dtensor(p) or is_zero3(p) for p in params.values())
+
+
+def local_part(param: nn.Parameter) -> torch.Tensor:
+    """The parameter's own shard as a plain tensor: ``to_local()`` of a ``DTensor``, ``ds_tensor`` under ZeRO-3."""
+    return param.ds_tensor if is_zero3(param) else param.to_local()
+
+
+def _zero3_rank(param: nn.Parameter) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    group = param.ds_process_group
+    return dist.get_rank(group=group), dist.get_world_size(group=group)
 
 
 def local_shard(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This process's shard of the whole ``value`` (the same on every process) laid out like the ``DTensor``
+    """This process's shard of the whole ``value`` (the same on every process) laid out like the sharded parameter
     ``like``, as a plain tensor in ``value``'s dtype on ``like``'s device (no communication)."""
+    value = value.detach()
+    if is_zero3(like):
+        part = like.ds_tensor
+        size = part.numel()
+        rank, _ = _zero3_rank(like)
+        flat = value.reshape(-1)
+        out = torch.zeros(size, dtype=value.dtype, device=part.device)
+        start, end = rank * size, min((rank + 1) * size, flat.numel())
+        if end > start:
+            out[: end - start].copy_(flat[start:end])
+        return out
     from torch.distributed.tensor import distribute_tensor
 
-    value = value.detach().to(like.device)
+    value = value.to(like.device)
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None).to_local().clone()
+
+
+def whole_of(shard: torch.Tensor, like: nn.Parameter) -> torch.Tensor:
+    """The whole tensor of the shards laid out like ``like`` (``shard`` is this process's), on the CPU (a collective:
+    every process calls it)."""
+    if is_zero3(like):
+        import torch.distributed as dist
+
+        _, world = _zero3_rank(like)
+        parts = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(parts, shard.contiguous(), group=like.ds_process_group)
+        return torch.cat(parts)[: like.ds_numel].view(like.ds_shape).cpu()
+    from torch.distributed.tensor import DTensor
+
+    spread = DTensor.from_local(shard, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
+    return spread.full_tensor().cpu()
 
 
 class ShardedCopies:
@@ -48,16 +96,7 @@ class ShardedCopies:
         """Whole CPU copies of ``copies`` (gathered from the shards: every process must call this)."""
         if id(copies) not in self._local:
             return {name: t.detach().cpu().clone() for name, t in copies.items()}
-        from torch.distributed.tensor import DTensor
-
-        out = {}
-        for name, param in params.items():
-            shard = copies[name]
-            spread = DTensor.from_local(
-                shard, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
-            )
-            out[name] = spread.full_tensor().cpu()
-        return out
+        return {name: whole_of(copies[name], param) for name, param in params.items()}
 
     @torch.no_grad()
     def load(

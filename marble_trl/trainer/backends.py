@@ -76,6 +76,8 @@ class Backend(Protocol):
 
     def before_prepare(self, transformer: torch.nn.Module) -> None: ...
 
+    def release_gathered(self) -> None: ...
+
     def per_reward_r(self, r_k: torch.Tensor, r: torch.Tensor, mode: str) -> torch.Tensor: ...
 
     def timestep(
@@ -137,6 +139,10 @@ class PlainBackward:
 
     def before_prepare(self, transformer: torch.nn.Module) -> None:
         """Just before accelerate wraps the transformer."""
+
+    def release_gathered(self) -> None:
+        """Drop the gathered copies of partitioned weights kept between forwards (ZeRO-3); nothing elsewhere (FSDP2
+        reshards through the module: :func:`~marble_trl.distributed.reshard`)."""
 
     def per_reward_r(self, r_k: torch.Tensor, r: torch.Tensor, mode: str) -> torch.Tensor:
         return r_k
@@ -224,6 +230,12 @@ class DeepSpeedBackward(PlainBackward):
     def shards_transformer(self) -> bool:
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         return getattr(plugin, "zero_stage", 0) == 3
+
+    def release_gathered(self) -> None:
+        # ZeRO-3 keeps persistent and prefetched parameters gathered between forwards; the engine releases them all
+        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        if self.shards_transformer and wrapped is not None:
+            wrapped.engine.empty_partition_cache()
 
     def configure(self, args, num_sigmas: int) -> None:
         super().configure(args, num_sigmas)

@@ -32,7 +32,7 @@ from ..artifacts import (
     TRANSFORMER_DIR,
     lora_key,
 )
-from ..distributed import full_tensor, gathered, is_fsdp_module, reshard
+from ..distributed import full_tensor, gathered, reshard
 from ..persistence.checkpoint import (
     adapter_state,
     add_checksums,
@@ -85,7 +85,7 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     """
     full = trainer.full_policy is not None
     if full:
-        if is_fsdp_module(trainer.transformer) or trainer.args.should_save:  # FSDP2 gathers the shards: everyone
+        if trainer.full_policy.sharded(trainer.transformer) or trainer.args.should_save:  # FSDP2 / ZeRO-3 gather
             old_whole = trainer.full_policy.master_state(trainer.transformer)
             ema_whole = trainer.param_ema.state_dict(trainer.transformer) if trainer.param_ema is not None else None
     else:

@@ -290,9 +290,7 @@ def per_reward_gradients(args, aggregation: str) -> bool:
 
 
 def check_full_finetuning_backend(args, backend, aggregation: str) -> None:
-    """Full fine-tuning runs on one process, DDP, DeepSpeed ZeRO-1/2 or FSDP2: ZeRO-3 partitions the weights the old
-    policy swaps.
-    Under FSDP2 its per-reward gradients come from ``layer_gram`` (one backward per solved pair): the engines that
+    """Full fine-tuning under FSDP2 takes its per-reward gradients from ``layer_gram`` (one backward per solved pair): the engines that
     back-propagate one retained graph twice read units' weights FSDP2 has freed in between."""
     engine = per_reward_gradients(args, aggregation)
     if not args.use_peft and backend.name == "fsdp2" and engine and args.marble_gradient_engine != "layer_gram":
@@ -301,11 +299,4 @@ def check_full_finetuning_backend(args, backend, aggregation: str) -> None:
             "marble_gradient_engine='layer_gram' (the paper procedure's engines back-propagate one graph twice, and "
             "FSDP2 frees the gathered weights of the units outside the blocks in between), or use an aggregation "
             "without per-reward gradients (e.g. sum_then_normalize), or DDP."
-        )
-    if not args.use_peft and backend.checkpoint_owner == "deepspeed" and backend.shards_transformer:
-        raise ValueError(
-            "use_peft=False (full fine-tuning) runs on one process, DDP, DeepSpeed ZeRO-1/2 or FSDP2; this run uses "
-            "DeepSpeed ZeRO-3, whose partitioned parameters the old-policy and reference copies do not follow yet. "
-            "Launch with recipes/accelerate/fsdp2.yaml (sharded weights) or deepspeed_zero2.yaml, or train a LoRA "
-            "(use_peft true)."
         )

@@ -213,6 +213,8 @@ class MarbleDiffusionNFTTrainer(RolloutHooks, PersistenceHooks, EvaluationHooks,
             args.nft_beta, args.beta, args.adv_clip_max, args.marble_refresh_update, args.marble_masked_solve
         )
         check_full_finetuning_backend(args, self.backend, self.aggregation)
+        if self.full_policy is not None:
+            self.full_policy.release = self.backend.release_gathered  # ZeRO-3: before swapping partitions
         self.param_ema = (LoraEMA if args.use_peft else FullEMA)(transformer) if args.param_ema else None
         self.old_policy = OldPolicy() if self.full_policy is None else self.full_policy
         self.balancer = make_balancer(self.aggregation, args, self.reward_names)  # MARBLE's, or another weighting
