@@ -104,9 +104,10 @@ def test_recipe_passes_on_its_header_hardware_and_fails_on_16gb(recipe: Path, wo
         assert any(f.startswith("add --offload_text_encoders true") for f in fixes), fixes
     elif "use_peft: false" not in raw:  # every saver on: the text encoders' visit alone outgrows 16 GB
         assert fixes[0].startswith("use GPUs with at least 18 GiB"), fixes
-    else:  # full fine-tuning: the transformer's float32 copies outgrow 16 GB; DeepSpeed is not proposed
+    else:  # full fine-tuning: the transformer's float32 copies outgrow 16 GB; a sharded launcher only with layer_gram
         assert int(re.search(r"use GPUs with at least (\d+) GiB", " ".join(fixes)).group(1)) > 16, fixes
-        assert not any("deepspeed" in f for f in fixes), fixes
+        if "marble_gradient_engine: layer_gram" not in raw:
+            assert not any("recipes/accelerate/" in f for f in fixes), fixes
 
 
 def test_broken_config_reports_each_error(workspace):
@@ -298,11 +299,11 @@ def _gib(text: str, item: str) -> float:
     return float(re.search(rf"\| {re.escape(item)} \| ([\d.]+) \|", text).group(1))
 
 
-def test_full_finetuning_memory_counts_every_copy_and_refuses_deepspeed(workspace):
+def test_full_finetuning_memory_counts_every_copy(workspace):
     """use_peft false on SD3.5 Medium, DDP x 8: the trained weights, their bf16 reference, the old policy, gradients
     and AdamW moments, the bucket, the EMA and MARBLE's K + 1 buffers, each a multiple of one fp32 copy; the fixes
-    propose FSDP2, not ZeRO, which full fine-tuning refuses (and check reports it for a ZeRO launcher); under FSDP2
-    every copy is an eighth."""
+    propose a sharded launcher only with layer_gram (as the trainer requires); under FSDP2 and ZeRO-3 every copy is
+    an eighth; under ZeRO-2 the weights are bf16 (DeepSpeed casts the module) with partitioned fp32 masters."""
     ddp = ["--accelerate_config", str(ROOT / "recipes/accelerate/multi_gpu.yaml"), "--num_processes", "8"]
     _, text, report = _run("sd35m-marble-5rewards.yaml", *ddp, "--use_peft", "false", "--gpu_memory", "80GB")
     one = _gib(text, "trained weights (fp32)")
@@ -328,8 +329,8 @@ def test_full_finetuning_memory_counts_every_copy_and_refuses_deepspeed(workspac
         "sd35m-marble-5rewards.yaml", *ddp, "--use_peft", "false", *released, "--gpu_memory", "80GB"
     )
     assert "MARBLE per-reward gradient buffers" not in text
-    fixes = report.fixes()  # FSDP2 shards full fine-tuning's copies; DeepSpeed is not proposed
-    assert any("recipes/accelerate/fsdp2.yaml" in f for f in fixes) and not any("deepspeed" in f for f in fixes)
+    fixes = report.fixes()  # FSDP2 or ZeRO-3 shards full fine-tuning's copies
+    assert any("recipes/accelerate/fsdp2.yaml" in f or "deepspeed_zero3.yaml" in f for f in fixes), fixes
     assert _gib(text, "MARBLE layer_gram: one slice of K rows") == pytest.approx(2**24 * 4 / GIB, abs=0.01)
     assert re.search(r"activations, micro-batch \d+ \([^)]*twice: layer_gram's solved pairs\)", text), text
     fsdp = ["--accelerate_config", str(ROOT / "recipes/accelerate/fsdp2.yaml"), "--num_processes", "8"]
@@ -339,6 +340,22 @@ def test_full_finetuning_memory_counts_every_copy_and_refuses_deepspeed(workspac
     assert _gib(text, "old policy (fp32 copy), sharded") == pytest.approx(one / 8, abs=0.01)
     assert _gib(text, "parameter EMA (fp32), sharded") == pytest.approx(one / 8, abs=0.01)
     assert _gib(text, "trained weights: gradients + optimizer moments") == pytest.approx(3 * one / 8, abs=0.01)
-    zero = ["--accelerate_config", str(ROOT / "recipes/accelerate/deepspeed_zero2.yaml"), "--num_processes", "8"]
-    _, text, _ = _run("sd35m-marble-5rewards.yaml", *zero, "--use_peft", "false", "--gpu_memory", "80GB")
-    assert "[full fine-tuning] use_peft false runs on one process, DDP or FSDP2" in text
+    zero3 = ["--accelerate_config", str(ROOT / "recipes/accelerate/deepspeed_zero3.yaml"), "--num_processes", "8"]
+    _, text, _ = _run("sd35m-marble-5rewards.yaml", *zero3, "--use_peft", "false", "--gpu_memory", "80GB")
+    assert "[full fine-tuning] use_peft false under DeepSpeed ZeRO-3 takes its per-reward gradients from" in text
+    _, text, _ = _run("sd35m-marble-5rewards.yaml", *zero3, "--use_peft", "false", *released, "--gpu_memory", "80GB")
+    assert _gib(text, "trained weights' fp32 masters (DeepSpeed's optimizer), partitioned") == pytest.approx(
+        one / 8, abs=0.01
+    )
+    assert _gib(text, "old policy (fp32 copy), partitioned") == pytest.approx(one / 8, abs=0.01)
+    assert _gib(text, "parameter EMA (fp32), sharded") == pytest.approx(one / 8, abs=0.01)
+    assert _gib(text, "the trained partitions set aside during a swap") == pytest.approx(one / 16, abs=0.01)
+    zero2 = ["--accelerate_config", str(ROOT / "recipes/accelerate/deepspeed_zero2.yaml"), "--num_processes", "8"]
+    _, text, _ = _run("sd35m-marble-5rewards.yaml", *zero2, "--use_peft", "false", "--gpu_memory", "80GB")
+    assert "[full fine-tuning]" not in text.replace("[full fine-tuning] 2,243.2 M trained", "")  # no refusal
+    assert _gib(text, "transformer weights (bf16, DeepSpeed casts the module)") == pytest.approx(one / 2, abs=0.01)
+    assert _gib(text, "old policy (fp32 copy)") == one and _gib(text, "parameter EMA (fp32)") == one
+    assert _gib(text, "old policy rounded to bf16 for its forwards") == pytest.approx(one / 2, abs=0.01)
+    assert _gib(text, "trained weights: gradients + optimizer moments") == pytest.approx(3 * one / 8, abs=0.01)
+    assert _gib(text, "gradient bucket (DeepSpeed reduce)") == pytest.approx(5e8 * 2 / GIB, abs=0.01)
+    assert _gib(text, "MARBLE per-reward gradient buffers") == pytest.approx(6 * one, abs=0.02)  # the paper's

@@ -422,19 +422,19 @@ def test_a_non_finite_update_of_the_full_weights_is_rolled_back_from_the_host_co
 
 
 def test_sharded_backends_refusals_name_the_way_out(tmp_path):
-    """Under FSDP2 full fine-tuning's MARBLE takes the released procedure with layer_gram (tests/test_full_sharded.py
-    runs it); DeepSpeed is refused."""
+    """With sharded weights (FSDP2, DeepSpeed ZeRO-3) full fine-tuning's MARBLE takes the released procedure with
+    layer_gram (tests/test_full_sharded.py runs both); with whole weights (DDP, ZeRO-2) every engine runs."""
     from types import SimpleNamespace
 
     from marble_trl.trainer.setup import check_full_finetuning_backend
 
-    fsdp = SimpleNamespace(name="fsdp2", checkpoint_owner="fsdp")
-    with pytest.raises(ValueError, match="marble_procedure='released' with marble_gradient_engine='layer_gram'"):
-        check_full_finetuning_backend(tiny_args(tmp_path, use_peft=False), fsdp, "marble")
-    check_full_finetuning_backend(tiny_args(tmp_path, use_peft=False), fsdp, "sum_then_normalize")
+    fsdp = SimpleNamespace(name="fsdp2", shards_transformer=True)
+    zero3 = SimpleNamespace(name="deepspeed", shards_transformer=True)
+    zero2 = SimpleNamespace(name="deepspeed", shards_transformer=False)
     released = tiny_args(tmp_path, use_peft=False, marble_procedure="released", marble_gradient_engine="layer_gram")
-    check_full_finetuning_backend(released, fsdp, "marble")
-    with pytest.raises(ValueError, match="runs on one process, DDP or FSDP2"):
-        check_full_finetuning_backend(
-            released, SimpleNamespace(name="deepspeed", checkpoint_owner="deepspeed"), "marble"
-        )
+    for backend, label in ((fsdp, "FSDP2"), (zero3, "DeepSpeed ZeRO-3")):
+        with pytest.raises(ValueError, match=f"under {label}: .*marble_gradient_engine='layer_gram'"):
+            check_full_finetuning_backend(tiny_args(tmp_path, use_peft=False), backend, "marble")
+        check_full_finetuning_backend(tiny_args(tmp_path, use_peft=False), backend, "sum_then_normalize")
+        check_full_finetuning_backend(released, backend, "marble")
+    check_full_finetuning_backend(tiny_args(tmp_path, use_peft=False), zero2, "marble")

@@ -60,8 +60,8 @@ def candidates(m: MemoryInputs, micro_batches: list[int], rewards_on_gpu: list[s
             )
         )
     s = m.strategy
-    # full fine-tuning: not DeepSpeed (yet), and FSDP2 only where MARBLE takes layer_gram (or no per-reward gradient)
-    kinds = ("fsdp2",) if not (m.per_reward_gradients and not m.layer_gram) else ()
+    # full fine-tuning: sharded weights only where MARBLE takes layer_gram (or no per-reward gradient)
+    kinds = ("zero3", "fsdp2") if not (m.per_reward_gradients and not m.layer_gram) else ()
     if s.processes > 1 and not s.shards_weights:
         for kind in kinds if m.full else ("zero3", "fsdp2"):
             out.append(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 GIB = 1024**3
 CUDA_RESERVE = 1.5 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, allocator fragmentation: docs' "+1-2 GiB"
 TIGHT = 0.9  # above this share of the GPU the verdict is "tight": a warning
+DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 STRATEGIES = ("single", "ddp", "zero2", "zero3", "fsdp2", "cpu")
 STRATEGY_NAMES = {
     "single": "one process",
@@ -179,6 +180,22 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
         if m.guard_copy:  # one process / DDP: in host memory, not counted
             rows.append(("non-finite guard's last finite weights + moments, sharded", 12 * m.full / n,
                          f"12 B x params / {n} (max_nonfinite_skips 0: none)"))  # fmt: skip
+    elif m.full and s.kind in ("zero2", "zero3"):  # full fine-tuning under DeepSpeed: it casts the whole module
+        part = n if s.kind == "zero3" and n > 1 else 1  # ZeRO-3 partitions the weights and the copies
+        cut, of = (", partitioned", f" / {n}") if part > 1 else ("", "")
+        rows.append((f"transformer weights ({dtype}, DeepSpeed casts the module){cut}", weights / part,
+                     f"{m.transformer / 1e6:,.1f} M params{of}"))  # fmt: skip
+        if part > 1:
+            rows.append(("blocks being gathered (2)", 2 * m.block * m.weight_bytes, f"2 x {m.block / 1e6:,.1f} M"))
+        rows.append(("trained weights' fp32 masters (DeepSpeed's optimizer), partitioned", 4 * m.full / n,
+                     f"{m.full / 1e6:,.1f} M params x 4 B / {n}"))  # fmt: skip
+        rows.append((f"reference: the loaded trained weights ({dtype}){cut}", m.full * m.weight_bytes / part, "as "
+                     f"loaded{of}"))  # fmt: skip
+        rows.append((f"old policy (fp32 copy){cut}", 4 * m.full / part, f"one fp32 copy{of}"))
+        if part > 1:
+            rows.append(("the trained partitions set aside during a swap", m.full * m.weight_bytes / n, f"/ {n}"))
+        elif m.weight_bytes != 4:
+            rows.append((f"old policy rounded to {dtype} for its forwards", m.full * m.weight_bytes, "while swapped"))
     elif s.shards_weights:
         kept = 0 if s.offload_params else weights / n
         rows.append((f"transformer weights ({dtype}), sharded", kept, f"{m.transformer / 1e6:,.1f} M params / {n}"))
@@ -187,7 +204,7 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
                 ("transformer root unit, kept whole", m.root * m.weight_bytes, f"{m.root / 1e6:,.1f} M params")
             )
         rows.append(("blocks being gathered (2)", 2 * m.block * m.weight_bytes, f"2 x {m.block / 1e6:,.1f} M params"))
-    elif m.full:  # full fine-tuning, one process or DDP (ZeRO is refused): the trained weights become float32 copies
+    elif m.full:  # full fine-tuning, one process or DDP: the trained weights become float32 copies
         frozen = m.transformer - m.full
         if frozen:
             rows.append(
@@ -212,10 +229,15 @@ def estimate_memory(m: MemoryInputs) -> MemoryEstimate:
     shard = f" / {n}" if s.shards_states else ""
     label = "trained weights: gradients + optimizer moments" if m.full else "LoRA gradients + optimizer moments"
     rows.append((label, states, f"(4 + {m.moment_bytes}) B x params{shard}"))
-    if (s.kind == "ddp" and n > 1) or s.kind in ("zero2", "zero3"):
+    if m.full and s.kind in ("zero2", "zero3"):  # DeepSpeed's reduce buckets, not a whole gradient
+        bucket = min(trained, DEEPSPEED_BUCKET) * m.weight_bytes
+        rows.append(("gradient bucket (DeepSpeed reduce)", bucket, f"reduce_bucket_size {DEEPSPEED_BUCKET:.0e} x "
+                     f"{m.weight_bytes} B"))  # fmt: skip
+    elif (s.kind == "ddp" and n > 1) or s.kind in ("zero2", "zero3"):
         rows.append(("gradient bucket (DDP / DeepSpeed reduce)", lora, f"one fp32 copy of the {what} gradients"))
     if m.param_ema:
-        ema_shards = fsdp_full  # full fine-tuning under FSDP2: this process's shards
+        # full fine-tuning under FSDP2 / ZeRO-3: this process's shards
+        ema_shards = fsdp_full or (m.full and s.kind == "zero3" and n > 1)
         rows.append(("parameter EMA (fp32)" + (", sharded" if ema_shards else ""), lora / (n if ema_shards else 1),
                      f"one fp32 copy of the {what}" + (f" / {n}" if ema_shards else "")))  # fmt: skip
     if m.marble_rows and m.layer_gram:

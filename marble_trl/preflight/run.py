@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .memory import GIB, MemoryInputs, Strategy, estimate_memory, parse_size, table_lines, verdict
+from .memory import GIB, STRATEGY_NAMES, MemoryInputs, Strategy, estimate_memory, parse_size, table_lines, verdict
 from .report import Report
 
 
@@ -219,21 +219,15 @@ def _full_finetuning(transformer, args, strategy: Strategy, report: Report, num_
 
     aggregation = resolve_aggregation(args.multi_objective_aggregation, max(num_rewards, 1))
     engine = per_reward_gradients(args, aggregation)
-    if strategy.kind == "fsdp2" and engine and args.marble_gradient_engine != "layer_gram":
+    if strategy.shards_weights and engine and args.marble_gradient_engine != "layer_gram":
         report.error(
             "full fine-tuning",
-            "use_peft false under FSDP2 takes its per-reward gradients from layer_gram (the paper procedure's engines "
-            "back-propagate one graph twice, which FSDP2's freed gathers do not allow).",
+            f"use_peft false under {STRATEGY_NAMES[strategy.kind]} takes its per-reward gradients from layer_gram (the "
+            "other engines need every weight whole at once).",
             "add --marble_procedure released --marble_gradient_engine layer_gram, or use an aggregation without "
-            "per-reward gradients, or DDP",
+            "per-reward gradients, or DDP / DeepSpeed ZeRO-2",
         )
 
-    if strategy.kind in ("zero2", "zero3"):
-        report.error(
-            "full fine-tuning",
-            f"use_peft false runs on one process, DDP or FSDP2; the accelerate config launches {strategy.label}.",
-            "launch with recipes/accelerate/fsdp2.yaml or a DDP config, or train a LoRA (use_peft true)",
-        )
     count = sum(p.numel() for p in full_parameters(transformer, args.full_finetune_modules).values())
     if not count:
         report.error("full fine-tuning", f"full_finetune_modules={args.full_finetune_modules} matched no module.",
@@ -299,12 +293,12 @@ def _memory(info, args, parsed, strategy, summary, lora, sizes, gpu_memory, k: i
             ", or marble_procedure: released with marble_gradient_engine: layer_gram (the paper's procedure keeps "
             "K + 1 copies of the trained weights; layer_gram none)"
             if full and inputs.per_reward_gradients and not inputs.layer_gram
-            else ", or more GPUs with FSDP2"
-            if full and strategy.kind != "fsdp2"
+            else ", or more GPUs with FSDP2 or DeepSpeed ZeRO-3"
+            if full and strategy.kind not in ("fsdp2", "zero3")
             else ""
             if full
             else ", or more GPUs with a sharded strategy"
-        )  # full fine-tuning: one process, DDP or FSDP2 (with layer_gram where MARBLE runs)
+        )
         saved = f"; with the fixes below it still needs {need / GIB:.1f} GiB" if fixes else ""
         add("memory", f"{v}: {where}{saved}.", (bigger, *fixes))
         return

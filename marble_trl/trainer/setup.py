@@ -290,13 +290,15 @@ def per_reward_gradients(args, aggregation: str) -> bool:
 
 
 def check_full_finetuning_backend(args, backend, aggregation: str) -> None:
-    """Full fine-tuning under FSDP2 takes its per-reward gradients from ``layer_gram`` (one backward per solved pair): the engines that
-    back-propagate one retained graph twice read units' weights FSDP2 has freed in between."""
+    """Full fine-tuning with sharded weights (FSDP2, DeepSpeed ZeRO-3) takes its per-reward gradients from
+    ``layer_gram`` (one backward per solved pair, the weights read only where their unit has gathered them): the other
+    engines differentiate the weights themselves (empty ZeRO-3 partitions) or back-propagate one retained graph twice
+    (FSDP2 frees the units' gathered weights in between)."""
     engine = per_reward_gradients(args, aggregation)
-    if not args.use_peft and backend.name == "fsdp2" and engine and args.marble_gradient_engine != "layer_gram":
+    if not args.use_peft and backend.shards_transformer and engine and args.marble_gradient_engine != "layer_gram":
+        label = {"fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO-3"}.get(backend.name, backend.name)
         raise ValueError(
-            "use_peft=False under FSDP2: the per-reward gradients take marble_procedure='released' with "
-            "marble_gradient_engine='layer_gram' (the paper procedure's engines back-propagate one graph twice, and "
-            "FSDP2 frees the gathered weights of the units outside the blocks in between), or use an aggregation "
-            "without per-reward gradients (e.g. sum_then_normalize), or DDP."
+            f"use_peft=False under {label}: the per-reward gradients take marble_procedure='released' with "
+            "marble_gradient_engine='layer_gram' (the other engines need every weight whole at once), or use an "
+            "aggregation without per-reward gradients (e.g. sum_then_normalize), or DDP / DeepSpeed ZeRO-2."
         )
