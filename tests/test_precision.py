@@ -164,9 +164,11 @@ def test_bf16_run_trains_like_the_float32_run(tmp_path):
     importlib.util.find_spec("deepspeed") is None or shutil.which("c++") is None,
     reason="needs deepspeed (pip install 'marble-trl[deepspeed]') and a C++ compiler for its CPU op",
 )
-def test_deepspeed_bf16_keeps_float32_masters_of_every_adapter():
-    """A real ZeRO-2 bf16 engine (its own process: it initialises torch.distributed): the LoRA masters come from
-    DeepSpeed's optimizer, the old policy and the EMA follow their float32 formulas (tests/dist/deepspeed_bf16_masters.py)."""
+def test_deepspeed_bf16_keeps_float32_masters_of_every_adapter_and_full_weight():
+    """Real ZeRO-2 bf16 engines (their own process: it initialises torch.distributed): the LoRA masters come from
+    DeepSpeed's optimizer, the old policy and the EMA follow their float32 formulas; so do a full fine-tune's under
+    ZeRO-2 and ZeRO-3, whose swaps put the copies in as bf16 and restore DeepSpeed's tensors, and whose transformer/
+    holds the masters (tests/dist/deepspeed_bf16_masters.py)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -92,18 +92,25 @@ def lora_main() -> None:
         assert (ema.state_dict()[n].double() - exact_ema[n]).abs().max().item() <= 4 * STEPS * EPS32 * ema_scale, n
 
 
-def full_main() -> None:
-    """Full fine-tuning of the attention's query and value weights under the same engine."""
+def full_main(stage: int) -> None:
+    """Full fine-tuning of the attention's query and value weights under a ZeRO-``stage`` bf16 engine (ZeRO-3: every
+    weight partitioned, the copies held as partitions and swapped into ``ds_tensor``)."""
     torch.manual_seed(0)
     transformer = load_sd3_pipeline("tiny").transformer
     policy = FullPolicy(transformer, ["attn.to_q", "attn.to_v"])
     train = policy.trainable(transformer)
     ema = FullEMA(transformer)
     optimizer = torch.optim.SGD(list(train.values()), lr=0.5)
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
     engine, *_ = deepspeed.initialize(
-        model=transformer, model_parameters=list(train.values()), optimizer=optimizer, config=CONFIG
+        model=transformer,
+        model_parameters=list(train.values()),
+        optimizer=optimizer,
+        config={**CONFIG, "zero_optimization": zero},
     )
+    policy.release = engine.empty_partition_cache  # the trainer's backend does this
     assert {p.dtype for p in train.values()} == {torch.bfloat16}, "DeepSpeed bf16 casts the module"
+    assert all(hasattr(p, "ds_tensor") for p in train.values()) == (stage == 3)
     exact_old = {n: t.double().clone() for n, t in policy.old.items()}
     exact_ema = {n: t.double().clone() for n, t in ema.state_dict().items()}
     gen = torch.Generator().manual_seed(1)
@@ -116,29 +123,41 @@ def full_main() -> None:
             exact_old[n] = ETA * exact_old[n] + (1 - ETA) * masters[n].double()
             exact_ema[n] = DECAY * exact_ema[n] + (1 - DECAY) * masters[n].double()
     assert max((masters[n] - masters[n].bfloat16().float()).abs().max().item() for n in train) > 0
+    old, shadow = policy.master_state(transformer), ema.state_dict(transformer)  # whole (gathered under ZeRO-3)
     for n in train:
         scale = max(exact_old[n].abs().max().item(), 1e-30)
         assert policy.old[n].dtype == torch.float32
-        assert (policy.old[n].double() - exact_old[n]).abs().max().item() <= 4 * STEPS * EPS32 * scale, n
+        assert (old[n].double() - exact_old[n]).abs().max().item() <= 4 * STEPS * EPS32 * scale, n
         ema_scale = max(exact_ema[n].abs().max().item(), 1e-30)
-        assert (ema.state_dict()[n].double() - exact_ema[n]).abs().max().item() <= 4 * STEPS * EPS32 * ema_scale, n
+        assert (shadow[n].double() - exact_ema[n]).abs().max().item() <= 4 * STEPS * EPS32 * ema_scale, n
     # the swaps: the old policy rounded to the module's bf16 (its float32 copy untouched), the reference (the loaded
-    # float32 weights, rounded as well); DeepSpeed's own tensors (views into its flat buffer) back afterwards
-    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in train.items()}
+    # float32 weights, rounded as well); DeepSpeed's own tensors back afterwards (ZeRO-2: the views into its flat
+    # buffer; ZeRO-3: the partitions' values)
+    before = {n: (p.data_ptr(), p.detach().clone(), _partition(p)) for n, p in train.items()}
     for use, weights in ((policy.use_old, policy.old), (policy.use_reference, policy.reference)):
         with use(transformer):
-            for n, p in train.items():
-                assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), weights[n].bfloat16()), n
+            whole = policy.shards.whole(weights, train)
+            with deepspeed.zero.GatheredParameters(list(train.values()) if stage == 3 else []):
+                for n, p in train.items():
+                    assert p.dtype == torch.bfloat16 and torch.equal(p.detach().cpu(), whole[n].bfloat16()), n
             assert torch.isfinite(transformer(**_inputs(gen), return_dict=False)[0]).all()  # runs without autocast
         for n, p in train.items():
-            assert p.data_ptr() == before[n][0] and torch.equal(p.detach(), before[n][1]), n
+            if stage == 3:
+                assert torch.equal(_partition(p), before[n][2]), n
+            else:
+                assert p.data_ptr() == before[n][0] and torch.equal(p.detach(), before[n][1]), n
     # transformer/ is written from the float32 masters; the frozen weights as the module holds them
     state = policy.saved_state(transformer)
     assert state is not None
     for n in train:
         assert state[n].dtype == torch.float32 and torch.equal(state[n], masters[n].cpu()), n
-    frozen = next(n for n in state if n not in train)
-    assert torch.equal(state[frozen], transformer.state_dict()[frozen])
+    frozen, param = next((n, p) for n, p in transformer.named_parameters() if n not in train)
+    with deepspeed.zero.GatheredParameters([param] if stage == 3 else []):
+        assert state[frozen].shape == param.shape and torch.equal(state[frozen], param.detach().cpu())
+
+
+def _partition(param: torch.nn.Parameter) -> torch.Tensor | None:
+    return param.ds_tensor.detach().clone() if hasattr(param, "ds_tensor") else None
 
 
 def _inputs(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -152,5 +171,6 @@ def _inputs(gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 if __name__ == "__main__":
     lora_main()
-    full_main()
+    full_main(stage=2)
+    full_main(stage=3)
     print("ok")
