@@ -84,8 +84,8 @@ class MarbleDiffusionNFTConfig(BaseConfig):
         default=True,
         metadata={
             "help": "Train a LoRA (true, the papers' setting) or the transformer's own weights (false: full "
-            "fine-tuning, TRL's `--use_peft false`; one process, DDP or FSDP2, docs/models.md). The lora_* fields apply "
-            "only to a LoRA."
+            "fine-tuning, TRL's `--use_peft false`; one process, DDP, DeepSpeed ZeRO-2 / ZeRO-3 or FSDP2, "
+            "docs/models.md). The lora_* fields apply only to a LoRA."
         },
     )
     full_finetune_modules: list[str] | None = field(
