@@ -22,6 +22,7 @@ ARGS = [
     "--optim", "sgd", "--learning_rate", "0.1", "--use_peft", "false", "--beta", "0.01", "--param_ema", "true",
     "--marble_procedure", "released", "--marble_gradient_engine", "layer_gram", "--marble_refresh_interval", "2",
     "--save_strategy", "steps", "--save_steps", "1",
+    "--num_sample_steps", "3",  # two training timesteps (the recipe's three): ZeRO-3 gathers every layer per forward
 ]  # fmt: skip
 TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
 
