@@ -284,8 +284,9 @@ def check_frozen_models_not_partitioned(pipeline) -> None:
 
 def is_deepspeed_param(param: torch.Tensor) -> bool:
     """Whether DeepSpeed manages ``param``: ZeRO-3 parameters carry ``ds_id``; ZeRO-1/2 and bf16 link each parameter
-    to its optimizer state (``_hp_mapping``)."""
-    return hasattr(param, "ds_id") or getattr(param, "_hp_mapping", None) is not None
+    to its optimizer state (``_hp_mapping``: None on the processes whose partition holds none of it, which still take
+    part in the collectives that read it, so only its presence counts)."""
+    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
 
 
 def partitioned(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
@@ -303,6 +304,15 @@ def not_gathered(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Paramete
     return [p for p in parts if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
 
 
+def wait_in_flight(params: Iterable[torch.nn.Parameter], root: torch.nn.Module | None) -> None:
+    """Wait for the ZeRO-3 all-gathers in flight among ``params`` (a prefetch DeepSpeed started: the parameter's data
+    already points at the buffer being filled). The handle stays registered: DeepSpeed's own wait on it is a no-op."""
+    registry = getattr(root, "ds_inflight_param_registry", None) if root is not None else None
+    for param in partitioned(params):
+        if registry is not None and param in registry:
+            registry[param].wait()
+
+
 @contextlib.contextmanager
 def gathered(params: Iterable[torch.nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
     """ZeRO-3: gather the partitioned ``params`` for the block (every rank must enter it; with ``modifier_rank``,
@@ -317,10 +327,12 @@ def gathered(params: Iterable[torch.nn.Parameter], modifier_rank: int | None = N
         yield
 
 
-def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+def non_finite_tensors(tensors: dict[str, torch.Tensor], all_processes: bool = False) -> list[str]:
     """Names of the tensors holding a NaN or an infinity. FSDP2 shards (``DTensor``) are checked on every process
     with one all-reduce, so every process gets the same answer (a DTensor's own ``isfinite().all()`` is a pending
-    partial reduction, which ``bool()`` reads as this process's part alone): every process must call this then."""
+    partial reduction, which ``bool()`` reads as this process's part alone): every process must call this then.
+    ``all_processes``: the tensors are each process's own parts (ZeRO-3 partitions): the verdict is all-reduced over
+    every process (each must call this with the same names)."""
     names = [n for n, t in tensors.items() if t.is_floating_point()]
     local = [t.to_local() if is_dtensor(t) else t for t in (tensors[n] for n in names)]
     finite = torch.tensor([bool(torch.isfinite(t).all()) for t in local], dtype=torch.float32)
@@ -328,4 +340,7 @@ def non_finite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
     if sharded is not None:
         finite = finite.to(local[0].device)
         torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN, group=sharded.device_mesh.get_group())
+    elif all_processes and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        finite = finite.to(local[0].device if local else "cpu")
+        torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
     return [n for n, ok in zip(names, finite.tolist()) if not ok]

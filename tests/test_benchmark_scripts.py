@@ -72,6 +72,7 @@ def test_chaos_schedule_is_seeded_and_covers_every_phase():
     assert steps == sorted(set(steps)) and 1 <= steps[0] and steps[-1] < 190  # spread, before the last steps
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_chaos_soak_killed_runs_end_where_the_uninterrupted_run_ends(tmp_path):
     """SIGKILL inside the last checkpoint save (after the Trainer's files) and at a MARBLE refresh, each resumed from

@@ -339,6 +339,7 @@ def _torchrun(script: Path, *args: str) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_two_process_stop_and_resume_keeps_the_data_position(reference_run, tmp_path):
     """2 processes: SIGTERM on rank 1 only stops both at step 3 with one checkpoint; the resumed run scores, step by

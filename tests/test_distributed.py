@@ -91,6 +91,7 @@ def test_two_processes_match_each_other_and_one_process(tmp_path, per_device, gr
     )
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_two_processes_evaluate_and_log_sources_like_one(tmp_path):
     """Evaluation shards (prompt, image) pairs over processes and gathers the scores: two processes log the same

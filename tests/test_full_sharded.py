@@ -118,6 +118,7 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @needs_deepspeed
 def test_deepspeed_zero2_full_finetuning_matches_ddp_and_resumes_exactly(ddp, tmp_path):

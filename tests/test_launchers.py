@@ -203,6 +203,7 @@ def plain_flux(tmp_path_factory) -> Path:
     return _plain(tmp_path_factory.mktemp("plain-flux"), FLUX_ARGS)
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_multi_node_config_two_machines_on_one_host_match_one(plain_flux, tmp_path):
     """The shipped multi-node template as 2 machines x 1 process, both on 127.0.0.1 (static rendezvous, gloo), on
@@ -324,6 +325,7 @@ def ddp_qwen_released(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @needs_deepspeed
 def test_deepspeed_zero3_partitioned_over_two_processes_matches_ddp(ddp_qwen_released, tmp_path):

@@ -64,7 +64,9 @@ def test_released_procedure_equals_the_written_out_release_in_one_process(tmp_pa
 @pytest.mark.slow
 # layer_gram on every weight of the transformer: the Gram without per-reward gradients, its slices averaged over the
 # processes one by one (marble_trl/balance/layer_gram.py), convolutions and norms by torch.func.
-@pytest.mark.parametrize("engine, policy", [("auto", "lora"), ("layer_gram", "full")])
+@pytest.mark.parametrize(
+    "engine, policy", [pytest.param("auto", "lora", marks=pytest.mark.heavy), ("layer_gram", "full")]
+)
 def test_released_procedure_equals_the_written_out_release_on_two_processes(tmp_path, engine, policy):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from ..distributed import gathered, is_dtensor, not_gathered
+from ..distributed import gathered, is_dtensor, not_gathered, wait_in_flight
 from .diagnostics import ieee_fp32_matmul
 from .gradient_buffers import _buffer_dtype
 from .two_stream import _is_plain_linear, _prepare_input, _Tap, tapped, variant_params
@@ -237,9 +237,11 @@ class LayerGramEngine:
 
     def _generic(self, site: _Site, x: Tensor, dy: Tensor) -> None:
         # FSDP2 registers the gathered weights on the module for the unit's backward, when the taps run; ZeRO-3's
-        # partitions may still be empty then (its pre-backward gather runs after this tap): gathered here, on every
-        # process in the same order (the backward's), only those not gathered already.
-        with gathered(not_gathered(site.module.parameters(recurse=False))):
+        # partitions may still be empty then (its pre-backward gather runs after this tap), or in flight (a prefetch):
+        # waited for, or gathered here on every process in the same order (the backward's).
+        own = list(site.module.parameters(recurse=False))
+        wait_in_flight(own, self._module)
+        with gathered(not_gathered(own)):
             self._generic_rows(site, x, dy)
 
     def _generic_rows(self, site: _Site, x: Tensor, dy: Tensor) -> None:

@@ -22,8 +22,12 @@ Under DeepSpeed ZeRO-1/2 the parameters stay whole (views into DeepSpeed's flat 
 the pointer swap works as without it; with bf16 / fp16 DeepSpeed casts the module and keeps the float32 masters in its
 optimizer: the soft update, the EMA and ``transformer/`` read those masters (:func:`~.lora.master_weight`), and a
 swapped-in float32 copy is rounded to the module's dtype for the forward (a transient copy of the trained weights in
-that dtype, as the LoRA's old adapter is rounded under DeepSpeed). ZeRO-3 is refused with
-``use_peft=False`` for now (docs/models.md, "Full fine-tuning").
+that dtype, as the LoRA's old adapter is rounded under DeepSpeed).
+
+Under DeepSpeed ZeRO-3 the parameters are partitions (``ds_tensor``): the copies become this process's partitions
+as under FSDP2, the soft update and the EMA read DeepSpeed's float32 master partitions, and a swap copies the copy's
+partition into ``ds_tensor`` with every gathered weight released around it (:attr:`FullPolicy.release`, the engine's).
+Parameter offload and ZeRO++'s secondary partitions are refused (``trainer.setup.check_full_finetuning_backend``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 from torch import nn
 
 from ..distributed import is_deepspeed_param, is_fsdp_module, reshard, whole_state_dict
-from .full_shards import ShardedCopies, is_sharded, is_zero3, local_part, whole_of
+from .full_shards import ShardedCopies, is_sharded, is_zero3, local_part, valid, whole_of
 from .lora import ADAPTER_DTYPE, LoraEMA, master_weight
 
 POLICY_ATTRIBUTE = "_marble_full_policy"  # the policy on its transformer (a plain attribute, not a submodule)
@@ -69,19 +73,16 @@ def local_master(param: nn.Parameter) -> torch.Tensor:
     return param.to_local()
 
 
-def zero3_state_dict(transformer: nn.Module, trained: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-    """The whole state dict of a ZeRO-3 ``transformer`` on the CPU of the main process (empty on the others; every
-    process must call this): the trained weights from DeepSpeed's float32 masters, the frozen ones from their
-    partitions, one parameter at a time."""
-    import torch.distributed as dist
-
-    keep = dist.get_rank() == 0
+def zero3_state_dict(transformer: nn.Module, trained: dict[str, nn.Parameter], keep: bool) -> dict[str, torch.Tensor]:
+    """The whole state dict of a ZeRO-3 ``transformer`` on the CPU where ``keep`` (empty elsewhere; every process
+    must call this): the trained weights from DeepSpeed's float32 masters, the frozen ones from their partitions, one
+    parameter at a time."""
     out = {}
     for name, param in transformer.named_parameters():
         if is_zero3(param):
-            value = whole_of(local_master(param) if name in trained else param.ds_tensor, param)
+            value = whole_of(local_master(param) if name in trained else param.ds_tensor, param, keep)
         else:
-            value = param.detach().cpu()
+            value = param.detach().cpu() if keep else None
         if keep:
             out[name] = value
     if keep:
@@ -185,15 +186,17 @@ class FullPolicy:
                     local.copy_(weights[name])  # (rounded to the partition's dtype under DeepSpeed bf16)
             yield
         finally:
-            self._release(transformer)
-            with torch.no_grad():
-                for name, value in saved.items():
-                    local_part(params[name]).copy_(value)
-            torch.clear_autocast_cache()
+            try:
+                self._release(transformer)
+            finally:  # the trained shards back even if the release failed
+                with torch.no_grad():
+                    for name, value in saved.items():
+                        local_part(params[name]).copy_(value)
+                torch.clear_autocast_cache()
 
     def _release(self, transformer: nn.Module) -> None:
-        """Drop every gathered copy of the weights: FSDP2 reshards its units; under ZeRO-3, the engine's
-        ``empty_partition_cache`` (:attr:`release`, set by the trainer once the engine exists)."""
+        """Drop every gathered copy of the weights: FSDP2 reshards its units; under ZeRO-3, the engine's release of
+        its gathered parameters (:attr:`release`, set by the trainer)."""
         reshard(transformer)
         if any(is_zero3(p) for p in self.trainable(transformer).values()):
             if self.release is None:
@@ -220,32 +223,42 @@ class FullPolicy:
             if not sharded and self.old[name].device != param.device:  # the model moved after the policy was built
                 self.old[name] = self.old[name].to(param.device)
             # DeepSpeed bf16 / fp16: its float32 master (ZeRO-1/2: a collective, every process updates every weight
-            # in order); sharded: this process's shard of it
-            value = local_master(param) if sharded else master_weight(param)
-            self.old[name].mul_(eta).add_(value, alpha=1.0 - eta)
+            # in order); sharded: this process's shard of it (ZeRO-3: its padding left at zero)
+            if sharded:
+                valid(self.old[name], param).mul_(eta).add_(valid(local_master(param), param), alpha=1.0 - eta)
+            else:
+                self.old[name].mul_(eta).add_(master_weight(param), alpha=1.0 - eta)
 
-    def saved_state(self, transformer: nn.Module) -> dict[str, torch.Tensor] | None:
-        """The tensors ``transformer/`` is written from (every process must call this), or None to write the module
-        as it is: under FSDP2 the whole state dict gathered from the shards (on the main process), under DeepSpeed
-        bf16 / fp16 the module's with the trained weights' float32 masters in place of their rounded copies."""
+    def saved_state(self, transformer: nn.Module, keep: bool = True) -> dict[str, torch.Tensor] | None:
+        """The tensors ``transformer/`` is written from, or None to write the module as it is: under FSDP2 the whole
+        state dict gathered from the shards (on the main process), under ZeRO-3 gathered from the partitions, under
+        DeepSpeed bf16 / fp16 the module's with the trained weights' float32 masters in place of their rounded copies.
+        Every process must call this (the gathers and DeepSpeed's master reads are collectives); ``keep``: this process
+        writes the folder (the others get an empty dict and hold no host copy)."""
         if is_fsdp_module(transformer):
             return whole_state_dict(transformer)
         params = self.trainable(transformer)
         if is_sharded(params):  # ZeRO-3: every parameter gathered from its partitions, one at a time
-            return zero3_state_dict(transformer, params)
+            return zero3_state_dict(transformer, params, keep)
         if not any(p.dtype != ADAPTER_DTYPE and is_deepspeed_param(p) for p in params.values()):
             return None
-        masters = {name: master_weight(param).cpu() for name, param in params.items()}  # one at a time
+        masters = {}
+        for name, param in params.items():  # one at a time; the read is a collective
+            value = master_weight(param)
+            if keep:
+                masters[name] = value.cpu()
+        if not keep:
+            return {}
         return {**{k: v.detach().cpu() for k, v in transformer.state_dict().items()}, **masters}
 
     def reset(self) -> None:
         """Nothing to forget: the old weights are the copy itself (LoRA's :class:`~.lora.OldPolicy` keeps a DeepSpeed
         master; here there is none)."""
 
-    def master_state(self, transformer: nn.Module) -> dict[str, torch.Tensor]:
+    def master_state(self, transformer: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
         """The old-policy weights by parameter name, as whole CPU copies (the checkpoint's ``old_policy.safetensors``;
-        under FSDP2 gathered: every process must call this)."""
-        return self.shards.whole(self.old, self.trainable(transformer))
+        under FSDP2 / ZeRO-3 gathered: every process must call this, and only where ``keep`` gets them)."""
+        return self.shards.whole(self.old, self.trainable(transformer), keep)
 
     @torch.no_grad()
     def load_old(self, state: dict[str, torch.Tensor], transformer: nn.Module) -> None:
@@ -283,21 +296,25 @@ class FullEMA(LoraEMA):
     # copies (LoRA's EMA is whole on every process).
     @torch.no_grad()
     def update(self, transformer: nn.Module, decay: float) -> None:
+        params = self._params(transformer)
         if not self._policy(transformer).sharded(transformer):
+            for name, param in params.items():  # built on the host before the model moved: follow it, once
+                if self.shadow[name].device != param.device:
+                    self.shadow[name] = self.shadow[name].to(param.device)
             super().update(transformer, decay)
             return
         reshard(transformer)
         params = self._params(transformer)
         self._policy(transformer).shards.localise(self.shadow, params)
         for name, param in params.items():
-            self.shadow[name].mul_(decay).add_(local_master(param), alpha=1.0 - decay)
+            valid(self.shadow[name], param).mul_(decay).add_(valid(local_master(param), param), alpha=1.0 - decay)
 
-    def state_dict(self, transformer: nn.Module | None = None) -> dict[str, torch.Tensor]:
+    def state_dict(self, transformer: nn.Module | None = None, keep: bool = True) -> dict[str, torch.Tensor]:
         """Whole tensors by parameter name (under FSDP2 / ZeRO-3 gathered from the shards: every process must call this
-        with the ``transformer``; without it, the shadow as held)."""
+        with the ``transformer``, and only where ``keep`` gets them; without it, the shadow as held)."""
         if transformer is None:
             return dict(self.shadow)
-        return self._policy(transformer).shards.whole(self.shadow, self._params(transformer))
+        return self._policy(transformer).shards.whole(self.shadow, self._params(transformer), keep)
 
     def load_state_dict(self, state: dict[str, torch.Tensor], transformer: nn.Module | None = None) -> None:
         missing = set(self.shadow) - set(state)

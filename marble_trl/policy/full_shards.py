@@ -62,20 +62,31 @@ def local_shard(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None).to_local().clone()
 
 
-def whole_of(shard: torch.Tensor, like: nn.Parameter) -> torch.Tensor:
-    """The whole tensor of the shards laid out like ``like`` (``shard`` is this process's), on the CPU (a collective:
-    every process calls it)."""
+def valid(shard: torch.Tensor, like: nn.Parameter) -> torch.Tensor:
+    """The part of this process's shard that holds weights: under ZeRO-3 the partition without DeepSpeed's padding
+    (its float32 masters' padding is uninitialised memory), else the shard itself."""
+    if not is_zero3(like):
+        return shard
+    rank, _ = _zero3_rank(like)
+    size = shard.numel()
+    return shard[: max(0, min(size, like.ds_numel - rank * size))]
+
+
+def whole_of(shard: torch.Tensor, like: nn.Parameter, keep: bool = True) -> torch.Tensor | None:
+    """The whole tensor of the shards laid out like ``like`` (``shard`` is this process's), on the CPU where ``keep``
+    (None elsewhere; a collective: every process calls it)."""
     if is_zero3(like):
         import torch.distributed as dist
 
         _, world = _zero3_rank(like)
         parts = [torch.empty_like(shard) for _ in range(world)]
         dist.all_gather(parts, shard.contiguous(), group=like.ds_process_group)
-        return torch.cat(parts)[: like.ds_numel].view(like.ds_shape).cpu()
+        return torch.cat(parts)[: like.ds_numel].view(like.ds_shape).cpu() if keep else None
     from torch.distributed.tensor import DTensor
 
     spread = DTensor.from_local(shard, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
-    return spread.full_tensor().cpu()
+    whole = spread.full_tensor()
+    return whole.cpu() if keep else None
 
 
 class ShardedCopies:
@@ -92,11 +103,19 @@ class ShardedCopies:
             copies[name] = local_shard(copies[name], param)
         self._local.add(id(copies))
 
-    def whole(self, copies: dict[str, torch.Tensor], params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-        """Whole CPU copies of ``copies`` (gathered from the shards: every process must call this)."""
+    def whole(
+        self, copies: dict[str, torch.Tensor], params: dict[str, nn.Parameter], keep: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Whole CPU copies of ``copies`` (gathered from the shards: every process must call this; only where
+        ``keep`` are they kept, one at a time, so the others hold no host copy)."""
         if id(copies) not in self._local:
-            return {name: t.detach().cpu().clone() for name, t in copies.items()}
-        return {name: whole_of(copies[name], param) for name, param in params.items()}
+            return {name: t.detach().cpu().clone() for name, t in copies.items()} if keep else {}
+        out = {}
+        for name, param in params.items():
+            value = whole_of(copies[name], param, keep)
+            if keep:
+                out[name] = value
+        return out
 
     @torch.no_grad()
     def load(

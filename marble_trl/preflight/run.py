@@ -219,6 +219,12 @@ def _full_finetuning(transformer, args, strategy: Strategy, report: Report, num_
 
     aggregation = resolve_aggregation(args.multi_objective_aggregation, max(num_rewards, 1))
     engine = per_reward_gradients(args, aggregation)
+    if strategy.kind == "zero3" and strategy.offload_params:
+        report.error(
+            "full fine-tuning",
+            "use_peft false under DeepSpeed ZeRO-3 does not support parameter offload (offload_param_device).",
+            "launch with recipes/accelerate/deepspeed_zero3.yaml (no offload), or train a LoRA (use_peft true)",
+        )
     if strategy.shards_weights and engine and args.marble_gradient_engine != "layer_gram":
         report.error(
             "full fine-tuning",

@@ -231,11 +231,23 @@ class DeepSpeedBackward(PlainBackward):
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         return getattr(plugin, "zero_stage", 0) == 3
 
+    @property
+    def zero_config(self) -> dict:
+        """The DeepSpeed config's ``zero_optimization`` section."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        return dict((getattr(plugin, "deepspeed_config", None) or {}).get("zero_optimization") or {})
+
     def release_gathered(self) -> None:
-        # ZeRO-3 keeps persistent and prefetched parameters gathered between forwards; the engine releases them all
+        # ZeRO-3 keeps persistent and prefetched parameters gathered between forwards: its optimizer releases them all
+        # (the engine's empty_partition_cache would also run gc.collect and empty the allocator's cache, per swap)
+        if not self.shards_transformer:
+            return
         wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
-        if self.shards_transformer and wrapped is not None:
-            wrapped.engine.empty_partition_cache()
+        if wrapped is None:
+            raise RuntimeError(
+                "ZeRO-3: the DeepSpeed engine is not built yet; partitions cannot be swapped before it."
+            )
+        wrapped.engine.optimizer.empty_partition_cache()
 
     def configure(self, args, num_sigmas: int) -> None:
         super().configure(args, num_sigmas)

@@ -86,8 +86,10 @@ def save_training_state(trainer: Trainer, folder: str | os.PathLike) -> None:
     full = trainer.full_policy is not None
     if full:
         if trainer.full_policy.sharded(trainer.transformer) or trainer.args.should_save:  # FSDP2 / ZeRO-3 gather
-            old_whole = trainer.full_policy.master_state(trainer.transformer)
-            ema_whole = trainer.param_ema.state_dict(trainer.transformer) if trainer.param_ema is not None else None
+            keep = trainer.args.should_save  # the other processes take part in the gathers and keep nothing
+            old_whole = trainer.full_policy.master_state(trainer.transformer, keep)
+            ema = trainer.param_ema
+            ema_whole = ema.state_dict(trainer.transformer, keep) if ema is not None else None
     else:
         with gathered(lora_parameters(trainer.transformer, OLD_ADAPTER).values()):  # ZeRO-3: every process gathers
             old = adapter_state(trainer.transformer, OLD_ADAPTER)

@@ -152,14 +152,14 @@ def save_emergency_checkpoint(trainer: Trainer, error: BaseException) -> str | N
     elif folder.is_dir():
         reason = f"{folder} already exists"
     else:
+        partitions = False
         if trainer.full_policy is not None:  # full fine-tuning: the trained weights and their old-policy copy
-            tensors = {n: p.detach() for n, p in trainer.trainable_parameters().items()}
-            tensors.update({f"old.{n}": t for n, t in trainer.full_policy.old.items()})
+            tensors, partitions = full_state_to_check(trainer)
         else:  # both adapters
             tensors = {n: p.detach() for n, p in trainer.transformer.named_parameters() if "lora_" in n}
-        if trainer.param_ema is not None:
-            tensors.update({f"ema.{n}": t for n, t in trainer.param_ema.state_dict().items()})
-        if non_finite_tensors(tensors):
+            if trainer.param_ema is not None:
+                tensors.update({f"ema.{n}": t for n, t in trainer.param_ema.state_dict().items()})
+        if non_finite_tensors(tensors, all_processes=partitions):
             reason = "a trained weight, the old policy or the EMA is not finite"
     if reason is not None:
         logger.error(
@@ -188,3 +188,24 @@ def save_emergency_checkpoint(trainer: Trainer, error: BaseException) -> str | N
     )
     trainer.emergency_checkpoint = str(folder)
     return str(folder)
+
+
+def full_state_to_check(trainer) -> tuple[dict[str, torch.Tensor], bool]:
+    """A full fine-tune's trained weights, old policy and EMA as this process holds them, and whether they are ZeRO-3
+    partitions (then the weights are DeepSpeed's float32 master partitions, every part without its padding, and the
+    verdict is every process's)."""
+    from ..policy.full import local_master
+    from ..policy.full_shards import is_zero3, valid
+
+    params = trainer.trainable_parameters()
+    partitions = any(is_zero3(p) for p in params.values())
+    if partitions:
+        tensors = {n: valid(local_master(p), p) for n, p in params.items()}
+    else:
+        tensors = {n: p.detach() for n, p in params.items()}
+    copies = {"old": trainer.full_policy.old}
+    if trainer.param_ema is not None:
+        copies["ema"] = trainer.param_ema.shadow
+    for prefix, held in copies.items():
+        tensors.update({f"{prefix}.{n}": valid(t, params[n]) if partitions else t for n, t in held.items()})
+    return tensors, partitions

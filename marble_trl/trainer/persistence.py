@@ -60,7 +60,8 @@ class PersistenceHooks:
         (``transformer/``, loadable with the family's transformer class ``from_pretrained``)."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.full_policy is not None:  # use_peft=False: the whole transformer as a diffusers model folder
-            state = self.full_policy.saved_state(self.transformer)  # every process (FSDP2, DeepSpeed gather)
+            # every process (FSDP2 and ZeRO-3 gather, DeepSpeed's master reads are collectives)
+            state = self.full_policy.saved_state(self.transformer, keep=self.args.should_save)
             if self.args.should_save:
                 os.makedirs(output_dir, exist_ok=True)
                 save_transformer(self.transformer, output_dir, state)

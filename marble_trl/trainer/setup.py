@@ -294,8 +294,29 @@ def check_full_finetuning_backend(args, backend, aggregation: str) -> None:
     ``layer_gram`` (one backward per solved pair, the weights read only where their unit has gathered them): the other
     engines differentiate the weights themselves (empty ZeRO-3 partitions) or back-propagate one retained graph twice
     (FSDP2 frees the units' gathered weights in between)."""
+    if args.use_peft:
+        return
+    zero = getattr(backend, "zero_config", None) or {}
+    offload = str((zero.get("offload_param") or {}).get("device", "none")).lower()
+    refused = [
+        f"offload_param device {offload} (the copies' partitions would follow the weights to the host)"
+        if offload not in ("none", "")
+        else "",
+        "zero_hpz_partition_size > 1 (ZeRO++ gathers from secondary partitions the swaps do not write)"
+        if int(zero.get("zero_hpz_partition_size", 1) or 1) > 1
+        else "",
+        "zero_quantized_weights (ZeRO++ gathers quantized partitions the swaps do not write)"
+        if zero.get("zero_quantized_weights")
+        else "",
+    ]
+    refused = [r for r in refused if r]
+    if refused:
+        raise ValueError(
+            f"use_peft=False under DeepSpeed does not support {'; '.join(refused)}: drop it from the DeepSpeed config "
+            "(recipes/accelerate/deepspeed_zero3.yaml has none), or train a LoRA (use_peft true)."
+        )
     engine = per_reward_gradients(args, aggregation)
-    if not args.use_peft and backend.shards_transformer and engine and args.marble_gradient_engine != "layer_gram":
+    if backend.shards_transformer and engine and args.marble_gradient_engine != "layer_gram":
         label = {"fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO-3"}.get(backend.name, backend.name)
         raise ValueError(
             f"use_peft=False under {label}: the per-reward gradients take marble_procedure='released' with "

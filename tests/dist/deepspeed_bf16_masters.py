@@ -1,5 +1,7 @@
-"""Worker for test_precision: real DeepSpeed ZeRO-2 bf16 engines (1 CPU process) over the tiny transformer's LoRA,
-then over its own weights (full fine-tuning).
+"""Worker for test_precision: real DeepSpeed bf16 engines over the tiny transformer's LoRA (ZeRO-2), then over its
+own weights (full fine-tuning, ZeRO-2 and ZeRO-3), on three CPU processes: DeepSpeed's partitions then cut weights
+across processes (a process may own no piece of a weight yet must join the collectives that read it), and ZeRO-3 pads
+partitions of weights whose size three does not divide.
 
 DeepSpeed casts every module parameter to bf16 and keeps float32 masters of the trainable ones in its optimizer.
 Checks that ``master_weights`` reads those masters, and that ``OldPolicy`` and ``LoraEMA`` follow their float32
@@ -7,13 +9,12 @@ formulas from them over several optimizer steps, while the module's old adapter 
 that a full fine-tune's ``FullPolicy`` and ``FullEMA`` do the same, that its old policy and reference swap in as bf16
 (the module's dtype: DeepSpeed runs it without autocast) and the swap restores DeepSpeed's own tensors, and that
 ``transformer/`` is written from the masters.
-Exits non-zero (an AssertionError) on failure. Run: python deepspeed_bf16_masters.py PORT
+Every process feeds the same inputs, so every process must reach the same values. Exits non-zero (an
+AssertionError) on failure. Run: python -m torch.distributed.run --nproc_per_node 3 deepspeed_bf16_masters.py
 """
 
 import os
-import sys
 
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
@@ -23,9 +24,11 @@ from peft import LoraConfig  # noqa: E402
 
 from marble_trl.models import load_sd3_pipeline  # noqa: E402
 from marble_trl.policy.full import FullEMA, FullPolicy  # noqa: E402
+from marble_trl.policy.full_shards import valid  # noqa: E402
 from marble_trl.policy.lora import LoraEMA, OldPolicy, add_policy_adapters, lora_parameters, master_weights  # noqa: E402
 
 ETA, DECAY, STEPS = 0.999, 0.9, 4
+PADDED: list[bool] = []  # per ZeRO-3 trained weight: whether its partitions carry padding
 EPS32 = torch.finfo(torch.float32).eps
 
 
@@ -108,7 +111,10 @@ def full_main(stage: int) -> None:
         optimizer=optimizer,
         config={**CONFIG, "zero_optimization": zero},
     )
-    policy.release = engine.empty_partition_cache  # the trainer's backend does this
+    policy.release = engine.optimizer.empty_partition_cache if stage == 3 else None  # the trainer's backend's
+    if stage == 3:
+        world = torch.distributed.get_world_size()
+        PADDED.extend(p.ds_numel % world != 0 for p in train.values())
     assert {p.dtype for p in train.values()} == {torch.bfloat16}, "DeepSpeed bf16 casts the module"
     assert all(hasattr(p, "ds_tensor") for p in train.values()) == (stage == 3)
     exact_old = {n: t.double().clone() for n, t in policy.old.items()}
@@ -157,7 +163,9 @@ def full_main(stage: int) -> None:
 
 
 def _partition(param: torch.nn.Parameter) -> torch.Tensor | None:
-    return param.ds_tensor.detach().clone() if hasattr(param, "ds_tensor") else None
+    """This process's ZeRO-3 partition without its padding (DeepSpeed fills that from uninitialised memory: it may
+    hold NaNs, which no comparison equals)."""
+    return valid(param.ds_tensor, param).detach().clone() if hasattr(param, "ds_tensor") else None
 
 
 def _inputs(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -170,7 +178,12 @@ def _inputs(gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 if __name__ == "__main__":
+    deepspeed.init_distributed(dist_backend="gloo")
     lora_main()
     full_main(stage=2)
     full_main(stage=3)
-    print("ok")
+    if torch.distributed.get_rank() == 0:
+        padded = [p for p in PADDED if p]
+        assert padded, "no ZeRO-3 partition was padded: the padding path went untested"
+        print("ok")
+    torch.distributed.destroy_process_group()
