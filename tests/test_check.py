@@ -350,6 +350,9 @@ def test_full_finetuning_memory_counts_every_copy(workspace):
     assert _gib(text, "old policy (fp32 copy), partitioned") == pytest.approx(one / 8, abs=0.01)
     assert _gib(text, "parameter EMA (fp32), sharded") == pytest.approx(one / 8, abs=0.01)
     assert _gib(text, "the trained partitions set aside during a swap") == pytest.approx(one / 16, abs=0.01)
+    offload = ["--accelerate_config", str(ROOT / "recipes/accelerate/deepspeed_zero3_offload.yaml")]
+    _, text, _ = _run("sd35m-marble-5rewards.yaml", *offload, "--num_processes", "8", "--use_peft", "false", *released)
+    assert "use_peft false under DeepSpeed ZeRO-3 does not support parameter offload" in text
     zero2 = ["--accelerate_config", str(ROOT / "recipes/accelerate/deepspeed_zero2.yaml"), "--num_processes", "8"]
     _, text, _ = _run("sd35m-marble-5rewards.yaml", *zero2, "--use_peft", "false", "--gpu_memory", "80GB")
     assert "[full fine-tuning]" not in text.replace("[full fine-tuning] 2,243.2 M trained", "")  # no refusal

@@ -438,3 +438,18 @@ def test_sharded_backends_refusals_name_the_way_out(tmp_path):
         check_full_finetuning_backend(tiny_args(tmp_path, use_peft=False), backend, "sum_then_normalize")
         check_full_finetuning_backend(released, backend, "marble")
     check_full_finetuning_backend(tiny_args(tmp_path, use_peft=False), zero2, "marble")
+    # DeepSpeed settings whose partitions the swaps do not follow: refused, named, with the way out
+    for zero, named in (
+        ({"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param device cpu"),
+        ({"stage": 3, "zero_hpz_partition_size": 8}, "zero_hpz_partition_size > 1"),
+        ({"stage": 3, "zero_quantized_weights": True}, "zero_quantized_weights"),
+    ):
+        offload = SimpleNamespace(name="deepspeed", shards_transformer=True, zero_config=zero)
+        with pytest.raises(ValueError, match=f"does not support {named}.*drop it from the DeepSpeed config"):
+            check_full_finetuning_backend(released, offload, "marble")
+    lora = tiny_args(tmp_path)  # a LoRA takes them all
+    check_full_finetuning_backend(
+        lora,
+        SimpleNamespace(name="deepspeed", shards_transformer=True, zero_config={"offload_param": {"device": "cpu"}}),
+        "marble",
+    )
