@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
-from test_launchers import ACCELERATE, RECIPE, ROOT, _env, _run, needs_deepspeed
+from test_launchers import ACCELERATE, RECIPE, ROOT, _env, _run, needs_deepspeed, zero3_config
 
 ARGS = [
     "--config", str(RECIPE), "--reward_funcs", "brightness", "contrast", "--max_steps", "3",
@@ -150,26 +149,11 @@ def test_deepspeed_zero3_full_finetuning_matches_ddp_and_resumes_exactly(ddp, tm
     ones, under the persistence threshold, kept gathered between forwards: the swaps release them), the old policy, the
     reference and the EMA held as this process's partitions and swapped into ``ds_tensor``, the soft update and the
     EMA from DeepSpeed's float32 master partitions, transformer/ gathered; DDP's run, and an exact resume."""
-    ds_config = {
-        "train_batch_size": "auto",
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 100,  # the biases and norms persist, the matrices are partitioned
-            "stage3_gather_16bit_weights_on_model_save": True,
-        },
-    }
-    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
-    config = yaml.safe_load((ACCELERATE / "deepspeed_zero3.yaml").read_text())
-    config["deepspeed_config"] = {"deepspeed_config_file": str(tmp_path / "ds.json"), "zero3_init_flag": False}
-    config.pop("mixed_precision")  # the DeepSpeed file decides (fp32 here)
-    (tmp_path / "zero3.yaml").write_text(yaml.safe_dump(config))
+    config = zero3_config(tmp_path, persistence_threshold=100)  # the biases and norms persist, the matrices do not
     zero3 = tmp_path / "zero3"
     evaluation = (*_eval_args(tmp_path), "--use_cpu", "false")
     shim = [str(ROOT / "tests" / "dist" / "deepspeed_dump.py")]
-    _launch(zero3, tmp_path / "zero3.yaml", shim, evaluation, deepspeed=True)
+    _launch(zero3, config, shim, evaluation, deepspeed=True)
     ranks = [json.loads((zero3 / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for state in ranks:
         assert state["zero3"] == state["params"] > state["persistent"] > 0  # partitioned; the small ones persist
@@ -180,7 +164,7 @@ def test_deepspeed_zero3_full_finetuning_matches_ddp_and_resumes_exactly(ddp, tm
     final = load_file(str(zero3 / TRANSFORMER))
     (zero3 / TRANSFORMER).unlink()
     resume = (*evaluation, "--resume_from_checkpoint", str(zero3 / "checkpoint-1"))
-    _launch(zero3, tmp_path / "zero3.yaml", shim, resume, deepspeed=True)
+    _launch(zero3, config, shim, resume, deepspeed=True)
     again = load_file(str(zero3 / TRANSFORMER))
     for name in final:
         assert torch.equal(again[name], final[name]), name

@@ -239,6 +239,29 @@ def test_multi_node_config_two_machines_on_one_host_match_one(plain_flux, tmp_pa
     _assert_same_lora(out, plain_flux, _init_lora(FLUX_ARGS), atol=1e-5, rtol=1e-4)
 
 
+def zero3_config(folder: Path, persistence_threshold: int) -> Path:
+    """recipes/accelerate/deepspeed_zero3.yaml in fp32 with its own DeepSpeed file (``folder/zero3.yaml``): weights
+    under ``persistence_threshold`` elements stay gathered between forwards (DeepSpeed's default, 1e5, would keep
+    every weight of a tiny model whole)."""
+    ds_config = {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": persistence_threshold,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+    }
+    (folder / "ds.json").write_text(json.dumps(ds_config))
+    config = yaml.safe_load((ACCELERATE / "deepspeed_zero3.yaml").read_text())
+    config["deepspeed_config"] = {"deepspeed_config_file": str(folder / "ds.json"), "zero3_init_flag": False}
+    config.pop("mixed_precision")  # the DeepSpeed file decides (fp32 here)
+    (folder / "zero3.yaml").write_text(yaml.safe_dump(config))
+    return folder / "zero3.yaml"
+
+
 def _deepspeed_command(
     config: Path, out: Path, train_args: list[str], processes: int = 1
 ) -> Callable[[int], list[str]]:
@@ -334,22 +357,7 @@ def test_deepspeed_zero3_partitioned_over_two_processes_matches_ddp(ddp_qwen_rel
     LoRA on the same two processes (recipes/accelerate/multi_gpu.yaml), and an exact resume."""
     # every parameter partitioned over the two ranks (the default persistence threshold would keep the tiny model's
     # params whole)
-    ds_config = {
-        "train_batch_size": "auto",
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto",
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_gather_16bit_weights_on_model_save": True,
-        },
-    }
-    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
-    config = yaml.safe_load((ACCELERATE / "deepspeed_zero3.yaml").read_text())
-    config["deepspeed_config"] = {"deepspeed_config_file": str(tmp_path / "ds.json"), "zero3_init_flag": False}
-    config.pop("mixed_precision")  # the DeepSpeed file decides (fp32 here)
-    (tmp_path / "zero3.yaml").write_text(yaml.safe_dump(config))
+    zero3_config(tmp_path, persistence_threshold=0)
     # The recipe's brightness reward, wrapped to fail if a reward would load its model under deepspeed.zero.Init (as
     # transformers does while a ZeRO-3 config is registered): reward models load lazily, in the middle of training.
     (tmp_path / "zero3_probe.py").write_text(
@@ -465,6 +473,7 @@ def test_launch_retries_when_its_port_is_taken(tmp_path, monkeypatch):
     assert len(tried) == 2 and tried[0] == port != tried[1]
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_single_gpu_config_runs_the_recipe_as_one_plain_process(tmp_path):
     """recipes/accelerate/single_gpu.yaml through the CLI's launcher wrapper, on tiny Z-Image (on a CPU machine: one

@@ -30,6 +30,32 @@ from marble_trl.rewards.ocr import quoted_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+def _settings(recipe: Path) -> dict:
+    """A recipe's training settings: everything but its output folder (launcher variants differ only there)."""
+    raw = yaml.safe_load(recipe.read_text())
+    raw.pop("output_dir", None)
+    return raw
+
+
+# One run per distinct set of settings: the full fine-tuning recipes for DDP, ZeRO-2, ZeRO-3 and FSDP2 are one run
+# launched four ways (the launchers are the tests' of test_full_sharded.py); the test below checks they stay so.
+TRAINED: list[Path] = []
+for _recipe in RECIPES:
+    if all(_settings(_recipe) != _settings(seen) for seen in TRAINED):
+        TRAINED.append(_recipe)
+
+
+def test_launcher_variants_of_a_recipe_differ_only_in_their_output_folder():
+    variants = [r for r in RECIPES if r not in TRAINED]
+    assert variants, "no launcher variant is deduplicated: drop this test or the TRAINED list"
+    for trained in TRAINED:
+        group = [trained, *(r for r in variants if _settings(r) == _settings(trained))]
+        base = min((r.stem for r in group), key=len)  # e.g. <name>.yaml with <name>-zero3.yaml, <name>-fsdp2.yaml
+        assert all(r.stem.startswith(base) for r in group), [r.name for r in group]
+
+
 OFFLINE_MODELS = ("tiny", "shapes")  # recipes that already name an offline model keep it, at its resolution
 
 # Every override, with why: sizes (1-2 steps of 2 groups of 2 images), the device, the precision, the output folder.
@@ -159,7 +185,7 @@ def test_every_recipe_reward_is_offline_or_has_a_standin():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", TRAINED, ids=lambda p: p.stem)
 def test_recipe_trains_as_written_on_its_family_tiny_model(recipe, tmp_path, standins, prompt_sets, capsys):
     raw = yaml.safe_load(recipe.read_text())
     overrides = _overrides(raw, tmp_path)

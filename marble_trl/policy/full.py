@@ -201,8 +201,8 @@ class FullPolicy:
         if any(is_zero3(p) for p in self.trainable(transformer).values()):
             if self.release is None:
                 raise RuntimeError(
-                    "FullPolicy.release is unset under ZeRO-3: set it to the DeepSpeed engine's empty_partition_cache "
-                    "(the trainer does)."
+                    "FullPolicy.release is unset under ZeRO-3: set it to the DeepSpeed engine's release of its gathered "
+                    "parameters, engine.optimizer.empty_partition_cache (the trainer does)."
                 )
             self.release()
 

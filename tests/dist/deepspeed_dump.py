@@ -6,38 +6,26 @@ are ZeRO-3 partitions and how many of them persist gathered between forwards, th
 old-policy and EMA copies as this process holds them against the weights' own, and its balancer state.
 """
 
-import json
 import sys
-from pathlib import Path
 
 
-def _dump_after_training() -> None:
-    from marble_trl import MarbleDiffusionNFTTrainer
-
-    train = MarbleDiffusionNFTTrainer.train
-
-    def train_and_dump(self, *args, **kwargs):
-        result = train(self, *args, **kwargs)
-        params = self.trainable_parameters()
-        policy, ema = self.full_policy, self.param_ema
-        state = {
-            "params": len(params),
-            "zero3": sum(hasattr(p, "ds_tensor") for p in params.values()),
-            "persistent": sum(bool(getattr(p, "ds_persist", False)) for p in params.values()),
-            "numel": sum(getattr(p, "ds_numel", p.numel()) for p in params.values()),
-            "old_numel": sum(t.numel() for t in policy.old.values()) if policy is not None else None,
-            "ema_numel": sum(t.numel() for t in ema.shadow.values()) if ema is not None else None,
-            "balancer": self.balancer.state_dict() if self.balancer is not None else None,
-        }
-        rank = self.accelerator.process_index
-        Path(self.args.output_dir, f"rank{rank}.json").write_text(json.dumps(state))
-        return result
-
-    MarbleDiffusionNFTTrainer.train = train_and_dump
+def _describe(trainer) -> dict:
+    params = trainer.trainable_parameters()
+    policy, ema = trainer.full_policy, trainer.param_ema
+    return {
+        "params": len(params),
+        "zero3": sum(hasattr(p, "ds_tensor") for p in params.values()),
+        "persistent": sum(bool(getattr(p, "ds_persist", False)) for p in params.values()),
+        "numel": sum(getattr(p, "ds_numel", p.numel()) for p in params.values()),
+        "old_numel": sum(t.numel() for t in policy.old.values()) if policy is not None else None,
+        "ema_numel": sum(t.numel() for t in ema.shadow.values()) if ema is not None else None,
+    }
 
 
 if __name__ == "__main__":
+    from rank_dump import dump_after_training
+
     from marble_trl.cli import main
 
-    _dump_after_training()
+    dump_after_training(_describe)
     sys.exit(main(sys.argv[1:]))

@@ -10,9 +10,7 @@ After training, each process writes ``<output_dir>/rank<R>.json``: its balancer 
 of the trainable LoRA and whether the root-level ``proj_out`` LoRA layer is an FSDP unit of its own.
 """
 
-import json
 import sys
-from pathlib import Path
 
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
@@ -32,36 +30,26 @@ def _init_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
 AcceleratorState.__init__ = _init_fsdp_on_cpu
 
 
-def _dump_after_training() -> None:
+def _describe(trainer) -> dict:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from marble_trl import MarbleDiffusionNFTTrainer
-
-    train = MarbleDiffusionNFTTrainer.train
-
-    def train_and_dump(self, *args, **kwargs):
-        result = train(self, *args, **kwargs)
-        params = self.trainable_parameters()
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in params.values()]
-        state = {
-            "distributed_type": str(self.accelerator.distributed_type),
-            "sharded": sum(isinstance(p, DTensor) for p in params.values()),
-            "params": len(params),
-            "local_numel": sum(t.numel() for t in local),
-            "numel": sum(p.numel() for p in params.values()),
-            "balancer": self.balancer.state_dict() if self.balancer is not None else None,
-            "proj_out_unit": isinstance(getattr(self.transformer, "proj_out", None), FSDPModule),
-        }
-        rank = self.accelerator.process_index
-        Path(self.args.output_dir, f"rank{rank}.json").write_text(json.dumps(state))
-        return result
-
-    MarbleDiffusionNFTTrainer.train = train_and_dump
+    params = trainer.trainable_parameters()
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in params.values()]
+    return {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "sharded": sum(isinstance(p, DTensor) for p in params.values()),
+        "params": len(params),
+        "local_numel": sum(t.numel() for t in local),
+        "numel": sum(p.numel() for p in params.values()),
+        "proj_out_unit": isinstance(getattr(trainer.transformer, "proj_out", None), FSDPModule),
+    }
 
 
 if __name__ == "__main__":
+    from rank_dump import dump_after_training
+
     from marble_trl.cli import main
 
-    _dump_after_training()
+    dump_after_training(_describe)
     sys.exit(main(sys.argv[1:]))
