@@ -443,10 +443,15 @@ def test_sharded_backends_refusals_name_the_way_out(tmp_path):
         ({"stage": 3, "offload_param": {"device": "cpu"}}, "offload_param device cpu"),
         ({"stage": 3, "zero_hpz_partition_size": 8}, "zero_hpz_partition_size > 1"),
         ({"stage": 3, "zero_quantized_weights": True}, "zero_quantized_weights"),
+        ({"stage": 3, "zero_quantized_nontrainable_weights": "true"}, "zero_quantized_nontrainable_weights"),
     ):
         offload = SimpleNamespace(name="deepspeed", shards_transformer=True, zero_config=zero)
         with pytest.raises(ValueError, match=f"does not support {named}.*drop it from the DeepSpeed config"):
             check_full_finetuning_backend(released, offload, "marble")
+    stage2 = SimpleNamespace(
+        name="deepspeed", shards_transformer=False, zero_config={"offload_param": {"device": "cpu"}}
+    )
+    check_full_finetuning_backend(released, stage2, "marble")  # ZeRO-2 ignores offload_param: nothing to refuse
     lora = tiny_args(tmp_path)  # a LoRA takes them all
     check_full_finetuning_backend(
         lora,

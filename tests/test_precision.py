@@ -168,12 +168,12 @@ def test_deepspeed_bf16_keeps_float32_masters_of_every_adapter_and_full_weight()
     masters come from DeepSpeed's optimizer, the old policy and the EMA follow their float32 formulas; so do a full
     fine-tune's under ZeRO-2 and ZeRO-3, whose swaps put the copies in as bf16 and restore DeepSpeed's tensors, and
     whose transformer/ holds the masters. Three processes: a process may own no piece of a weight (it must still join
-    the master reads: a hang otherwise, caught by the timeout), and ZeRO-3 pads the partitions."""
+    the master reads: a hang or a mismatch otherwise), and ZeRO-3 pads the partitions."""
     script = Path(__file__).parent / "dist" / "deepspeed_bf16_masters.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "--rdzv_endpoint=127.0.0.1:0"]
     proc = subprocess.run(
-        [*cmd, "--rdzv_backend=c10d", str(script)], env=env, capture_output=True, text=True, timeout=300
+        [*cmd, "--rdzv_backend=c10d", str(script)], env=env, capture_output=True, text=True, timeout=600
     )
-    errors = "\n".join(line for line in proc.stderr.splitlines() if "Error" in line or "Traceback" in line)
+    errors = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))  # the workers' own
     assert proc.returncode == 0 and "ok" in proc.stdout.split(), proc.stdout[-2000:] + errors[-4000:]

@@ -27,7 +27,8 @@ that dtype, as the LoRA's old adapter is rounded under DeepSpeed).
 Under DeepSpeed ZeRO-3 the parameters are partitions (``ds_tensor``): the copies become this process's partitions
 as under FSDP2, the soft update and the EMA read DeepSpeed's float32 master partitions, and a swap copies the copy's
 partition into ``ds_tensor`` with every gathered weight released around it (:attr:`FullPolicy.release`, the engine's).
-Parameter offload and ZeRO++'s secondary partitions are refused (``trainer.setup.check_full_finetuning_backend``).
+Parameter offload, ZeRO++'s secondary partitions and quantized weights are refused
+(``trainer.setup.check_full_finetuning_backend``).
 """
 
 from __future__ import annotations

@@ -289,24 +289,33 @@ def per_reward_gradients(args, aggregation: str) -> bool:
     return bool(args.log_update_cosines or AGGREGATIONS[aggregation].balanced)
 
 
+def _true(value) -> bool:
+    """A DeepSpeed config flag (a bool, or a string such as "false" from a YAML / CLI override)."""
+    return str(value).strip().lower() in ("true", "1", "yes") if isinstance(value, str) else bool(value)
+
+
 def check_full_finetuning_backend(args, backend, aggregation: str) -> None:
     """Full fine-tuning with sharded weights (FSDP2, DeepSpeed ZeRO-3) takes its per-reward gradients from
     ``layer_gram`` (one backward per solved pair, the weights read only where their unit has gathered them): the other
     engines differentiate the weights themselves (empty ZeRO-3 partitions) or back-propagate one retained graph twice
-    (FSDP2 frees the units' gathered weights in between)."""
+    (FSDP2 frees the units' gathered weights in between). Under ZeRO-3, the settings whose partitions the swaps do not
+    follow are refused: parameter offload, ZeRO++'s secondary partitions and quantized weights."""
     if args.use_peft:
         return
-    zero = getattr(backend, "zero_config", None) or {}
+    zero = (getattr(backend, "zero_config", None) or {}) if backend.shards_transformer else {}  # ZeRO-3 only
     offload = str((zero.get("offload_param") or {}).get("device", "none")).lower()
     refused = [
         f"offload_param device {offload} (the copies' partitions would follow the weights to the host)"
-        if offload not in ("none", "")
+        if offload not in ("none", "") or _true(zero.get("cpu_offload_param"))
         else "",
         "zero_hpz_partition_size > 1 (ZeRO++ gathers from secondary partitions the swaps do not write)"
         if int(zero.get("zero_hpz_partition_size", 1) or 1) > 1
         else "",
         "zero_quantized_weights (ZeRO++ gathers quantized partitions the swaps do not write)"
-        if zero.get("zero_quantized_weights")
+        if _true(zero.get("zero_quantized_weights"))
+        else "",
+        "zero_quantized_nontrainable_weights (the frozen weights' partitions become int8: transformer/ would hold them)"
+        if _true(zero.get("zero_quantized_nontrainable_weights"))
         else "",
     ]
     refused = [r for r in refused if r]
