@@ -273,7 +273,7 @@ def check_frozen_models_not_partitioned(pipeline) -> None:
     for name, component in getattr(pipeline, "components", {}).items():
         if name == "transformer" or not isinstance(component, torch.nn.Module):
             continue
-        if any(hasattr(p, "ds_id") for p in component.parameters()):
+        if any(is_zero3(p) for p in component.parameters()):
             raise ValueError(
                 f"The {type(pipeline).__name__}'s {name} was built partitioned by DeepSpeed ZeRO-3 "
                 "(deepspeed.zero.Init), but it is not part of the DeepSpeed engine, so its weights would never be "
@@ -282,16 +282,22 @@ def check_frozen_models_not_partitioned(pipeline) -> None:
             )
 
 
+def is_zero3(param: torch.Tensor) -> bool:
+    """A DeepSpeed ZeRO-3 parameter: its value is the flat partition ``param.ds_tensor`` outside a gather (DeepSpeed
+    gives it ``ds_id`` with the partition)."""
+    return hasattr(param, "ds_id")
+
+
 def is_deepspeed_param(param: torch.Tensor) -> bool:
     """Whether DeepSpeed manages ``param``: ZeRO-3 parameters carry ``ds_id``; ZeRO-1/2 and bf16 link each parameter
     to its optimizer state (``_hp_mapping``: None on the processes whose partition holds none of it, which still take
     part in the collectives that read it, so only its presence counts)."""
-    return hasattr(param, "ds_id") or hasattr(param, "_hp_mapping")
+    return is_zero3(param) or hasattr(param, "_hp_mapping")
 
 
 def partitioned(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     """The DeepSpeed ZeRO-3 partitions among ``params`` (their data is empty outside a gather)."""
-    return [p for p in params if hasattr(p, "ds_id")]
+    return [p for p in params if is_zero3(p)]
 
 
 def not_gathered(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

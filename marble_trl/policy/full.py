@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..distributed import is_deepspeed_param, is_fsdp_module, reshard, whole_state_dict
-from .full_shards import ShardedCopies, is_sharded, is_zero3, local_part, valid, whole_of
+from ..distributed import is_deepspeed_param, is_fsdp_module, is_zero3, reshard, whole_state_dict
+from .full_shards import ShardedCopies, is_sharded, local_part, valid, whole_of
 from .lora import ADAPTER_DTYPE, LoraEMA, master_weight
 
 POLICY_ATTRIBUTE = "_marble_full_policy"  # the policy on its transformer (a plain attribute, not a submodule)

@@ -17,12 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..distributed import is_dtensor
-
-
-def is_zero3(param: torch.Tensor) -> bool:
-    """A DeepSpeed ZeRO-3 parameter (its value is the flat partition ``param.ds_tensor`` outside a gather)."""
-    return hasattr(param, "ds_tensor")
+from ..distributed import is_dtensor, is_zero3
 
 
 def is_sharded(params: dict[str, nn.Parameter]) -> bool:

@@ -17,7 +17,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..distributed import non_finite_tensors
+from ..distributed import is_zero3, non_finite_tensors
 from ..persistence.output_dir import OutputDirLock, check_not_overwriting
 from ..persistence.resume import resolve_resume
 
@@ -195,7 +195,7 @@ def full_state_to_check(trainer) -> tuple[dict[str, torch.Tensor], bool]:
     partitions (then the weights are DeepSpeed's float32 master partitions, every part without its padding, and the
     verdict is every process's)."""
     from ..policy.full import local_master
-    from ..policy.full_shards import is_zero3, valid
+    from ..policy.full_shards import valid
 
     params = trainer.trainable_parameters()
     partitions = any(is_zero3(p) for p in params.values())
