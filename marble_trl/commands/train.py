@@ -158,6 +158,7 @@ def _resolve_dtype(name: str, training_args: MarbleDiffusionNFTConfig):
 
 def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTConfig) -> dict:
     """Run one training job; writes the LoRA, ``metrics.jsonl`` and ``samples_before_after.png`` to ``output_dir``."""
+    from ..data.source_images import SOURCE_IMAGES_COLUMN
     from ..evaluation.samples import save_before_after, score_images
     from ..models import load_model
     from ..trainer import MarbleDiffusionNFTTrainer
@@ -172,14 +173,20 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
         pipeline, script_args.reward_funcs, args=training_args, train_dataset=dataset, eval_dataset=eval_dataset
     )
     out = Path(training_args.output_dir)
-    grid_prompts = grid_prompt_list(dataset, script_args.sample_grid_prompts)
+    grid_rows = grid_row_indices(dataset, script_args.sample_grid_prompts)
+    grid_prompts = [dataset[k]["prompt"] for k in grid_rows]
+    grid_sources = None  # an editing model edits each grid row's own source image
+    if trainer.source_images is not None:
+        grid_sources = trainer.source_images([dataset[k][SOURCE_IMAGES_COLUMN] for k in grid_rows])
     seeds = range(script_args.sample_grid_seeds)
     before = None
     # FSDP2 / ZeRO-3: every process draws (a forward needs every process's shards); the main one saves.
     if grid_prompts and (trainer.is_world_process_zero() or trainer.shards_transformer):
         import torch
 
-        before = torch.cat([trainer.generate(grid_prompts, seed=s, use_lora=False) for s in seeds])
+        before = torch.cat(
+            [trainer.generate(grid_prompts, seed=s, use_lora=False, source_images=grid_sources) for s in seeds]
+        )
     eval_before = _final_eval(trainer, "eval_before") if script_args.eval_before_after else None
     try:
         result = trainer.train(resume_from_checkpoint=_resume_arg(training_args.resume_from_checkpoint))
@@ -198,16 +205,18 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
     if before is not None:
         import torch
 
-        after = torch.cat([trainer.generate(grid_prompts, seed=s, use_lora=True) for s in seeds])
+        after = torch.cat(
+            [trainer.generate(grid_prompts, seed=s, use_lora=True, source_images=grid_sources) for s in seeds]
+        )
     if trainer.is_world_process_zero():
         _write_metrics(trainer, out)
         if after is not None:
             scale = max(1, 128 // training_args.resolution)
-            first = {}  # the dataset row of each grid prompt: its columns reach the rewards, as in training
-            for k, prompt in enumerate(dataset["prompt"]):
-                first.setdefault(prompt, k)
+            # the dataset row of each grid prompt: its columns reach the rewards, as in training
             extra = [c for c in dataset.column_names if c != "prompt"]
-            columns = {c: [dataset[first[p]][c] for p in grid_prompts] * len(seeds) for c in extra}
+            columns = {c: [dataset[k][c] for k in grid_rows] * len(seeds) for c in extra}
+            if grid_sources is not None:
+                columns[SOURCE_IMAGES_COLUMN] = grid_sources.repeat(len(seeds), 1, 1, 1)
             prompts = grid_prompts * len(seeds)
             funcs, names = trainer.reward_funcs, trainer.reward_names
             save_before_after(
@@ -296,6 +305,19 @@ def _save_after_failure(trainer, out: Path, error: BaseException, start: float) 
         pass
     kept = "; the final LoRA could not be saved either" if isinstance(lora_kept, str) else ""
     print(f"[marble-trl] failed at step {trainer.state.global_step}: {summary['error']} (kept in {out}{kept})")
+
+
+def grid_row_indices(dataset, n: int) -> list[int]:
+    """The before/after grid's rows: the first row of each of :func:`grid_prompt_list`'s prompts, or, for an editing
+    dataset (a ``source_images`` column: one instruction may edit several images), its first ``n`` rows."""
+    from ..data.source_images import SOURCE_IMAGES_COLUMN
+
+    if SOURCE_IMAGES_COLUMN in dataset.column_names:
+        return list(range(min(n, len(dataset))))
+    first: dict[str, int] = {}
+    for k, prompt in enumerate(dataset["prompt"]):
+        first.setdefault(prompt, k)
+    return [first[p] for p in grid_prompt_list(dataset, n)]
 
 
 def grid_prompt_list(dataset, n: int) -> list[str]:

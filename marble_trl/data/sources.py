@@ -29,6 +29,7 @@ from typing import Any
 
 from .prompt_files import local_file
 from .prompt_sets import MIXTURES, PROMPT_SETS
+from .source_images import resolve_image_paths
 from .table_files import FILE_FORMATS, load_file, warn_mixed_types
 
 SOURCE_COLUMN = "source"
@@ -231,7 +232,7 @@ def load_source(source: PromptSource | str | Mapping):
             raise FileNotFoundError(
                 f"Prompt source {source.name!r}: file {str(local)!r} does not exist (check 'path' / dataset_name)."
             )
-        dataset = load_file(source.name, local, suffix)
+        dataset = resolve_image_paths(load_file(source.name, local, suffix), local.parent)
         origin = str(local)
     elif local.exists() or path.startswith((".", "/", "~")) or path.count("/") > 1:
         raise FileNotFoundError(

@@ -34,17 +34,21 @@ def generate_eval_images(
     negative_prompt: str = "",
     max_sequence_length: int = 256,
     device: torch.device | str | None = None,
+    source_images: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Images ``[B, 3, H, W]`` (videos ``[B, F, 3, H, W]``) in ``[0, 1]`` for ``prompts``, image ``j`` from noise
-    seeded with ``seeds[j]``; ``pipeline`` is a diffusers pipeline of a supported family or its adapter."""
+    seeded with ``seeds[j]``; ``pipeline`` is a diffusers pipeline of a supported family or its adapter; an editing
+    family edits ``source_images`` (``[B, 3, R, R]`` in ``[0, 1]``, one per prompt)."""
     from ..models import adapter_for
+    from ..models.editing import source_kwargs
 
     adapter = pipeline if hasattr(pipeline, "predict") else adapter_for(pipeline)
     device = torch.device(device) if device is not None else adapter.transformer.device
-    embeds = adapter.encode(prompts, max_sequence_length, device, guidance_scale)
+    sources = source_kwargs(adapter, source_images)
+    embeds = adapter.encode(prompts, max_sequence_length, device, guidance_scale, **sources)
     negative = None
     if adapter.needs_negative(guidance_scale):
-        negative = adapter.encode([negative_prompt] * len(prompts), max_sequence_length, device)
+        negative = adapter.encode([negative_prompt] * len(prompts), max_sequence_length, device, **sources)
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
     latents = adapter.sample(scheduler, embeds, num_steps, resolution, generators, guidance_scale, negative)
     return adapter.decode(latents)

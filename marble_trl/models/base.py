@@ -124,6 +124,9 @@ class DiffusersFlowAdapter:
     # "embedded": guidance-distilled (FLUX.1-dev), guidance_scale is the transformer's guidance input.
     guidance: ClassVar[str] = "cfg"
     video: ClassVar[bool] = False  # decode returns videos [B, F, 3, H, W]
+    # An editing family (FLUX.1 Kontext, Qwen-Image-Edit): encode takes each row's source image, and the
+    # conditioning carries what the transformer sees of it (marble_trl.models.editing).
+    editing: ClassVar[bool] = False
 
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
@@ -188,8 +191,24 @@ class DiffusersFlowAdapter:
         the dynamic-shift ``mu``): the training grid must be the rollout's grid."""
         return {}
 
-    def encode(self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float = 1.0):
-        """Each distinct prompt encoded once (or read from :attr:`prompt_cache`), expanded back to ``prompts``."""
+    def encode(
+        self,
+        prompts: list[str],
+        max_sequence_length: int,
+        device: torch.device,
+        guidance_scale: float = 1.0,
+        source_images: torch.Tensor | None = None,
+    ):
+        """Each distinct prompt encoded once (or read from :attr:`prompt_cache`), expanded back to ``prompts``;
+        ``source_images`` (``[B, 3, H, W]`` in ``[0, 1]``) only for an editing family."""
+        if source_images is not None:
+            raise ValueError(
+                f"{type(self.pipeline).__name__} generates from text alone, but source_images were given (a "
+                "'source_images' column?): train an editing model (FLUX.1 Kontext, Qwen-Image-Edit) or drop the column."
+            )
+        return self._encode_text(prompts, max_sequence_length, device, guidance_scale)
+
+    def _encode_text(self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float):
         unique, rows = unique_index(prompts)
         if self.prompt_cache is not None:
             cond = self.prompt_cache.lookup(unique, max_sequence_length, device, guidance_scale)

@@ -2,7 +2,8 @@
 
 A family adapter wraps one loaded diffusers pipeline. The trainer talks only to this protocol: it never builds prompt
 embeddings or calls a transformer itself. The families: SD3 / SD3.5 (``sd3``), FLUX.1 (``flux``), Wan 2.1 / 2.2
-(``wan``, video), Qwen-Image (``qwen_image``), Z-Image (``z_image``). To add one, subclass
+(``wan``, video), Qwen-Image (``qwen_image``), Z-Image (``z_image``), and the editing families FLUX.1 Kontext
+(``flux_kontext``) and Qwen-Image-Edit (``qwen_image_edit``). To add one, subclass
 :class:`~marble_trl.models.base.DiffusersFlowAdapter` in ``models/<family>.py`` and add the class to :data:`FAMILIES`
 (docs/adding-a-model-family.md).
 
@@ -18,6 +19,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 
 from .flux import FluxAdapter
+from .flux_kontext import FluxKontextAdapter
 from .loading import local_folder, pipeline_class_name
 from .qwen_image import QwenImageAdapter
 from .sd3 import SD3Adapter
@@ -42,6 +44,7 @@ class FlowModelAdapter(Protocol):
     default_lora_targets: ClassVar[tuple[str, ...]]  # module-name suffixes of the community's LoRA for the family
     guidance: ClassVar[str]  # "cfg" (guidance_scale > 1: CFG with the negative prompt) or "embedded" (FLUX.1-dev)
     video: ClassVar[bool]  # decode returns videos [B, F, 3, H, W] instead of images [B, 3, H, W]
+    editing: ClassVar[bool]  # encode takes each prompt's source image (source_images=): an image-editing family
     pipeline: Any
 
     @classmethod
@@ -73,10 +76,17 @@ class FlowModelAdapter(Protocol):
         """The pipeline ``__call__`` arguments that mean the trainer's ``guidance_scale`` (model cards)."""
 
     def encode(
-        self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float = 1.0
+        self,
+        prompts: list[str],
+        max_sequence_length: int,
+        device: torch.device,
+        guidance_scale: float = 1.0,
+        source_images: torch.Tensor | None = None,
     ) -> Conditioning:
         """One row per prompt; ``guidance_scale`` matters only to embedded-guidance families (it is part of the
-        conditioning that :meth:`predict` sees)."""
+        conditioning that :meth:`predict` sees). An editing family needs ``source_images`` (``[B, 3, H, W]`` in
+        ``[0, 1]``, one per prompt) and carries what its transformer sees of them in the conditioning; the others
+        refuse them."""
 
     def sample(self, scheduler: Any, cond: Conditioning, num_steps: int, resolution: int, generator: torch.Generator,
                guidance_scale: float = 1.0, negative: Conditioning | None = None) -> torch.Tensor:  # fmt: skip
@@ -98,7 +108,14 @@ class FlowModelAdapter(Protocol):
         ``folder/weight_name`` (default: the family's standard file name)."""
 
 
-FAMILIES: tuple[type, ...] = (SD3Adapter, FluxAdapter, WanAdapter, QwenImageAdapter, ZImageAdapter)
+FAMILIES: tuple[type, ...] = (
+    SD3Adapter,
+    FluxAdapter,
+    WanAdapter,
+    QwenImageAdapter,
+    ZImageAdapter,
+    FluxKontextAdapter,
+)
 
 
 def supported_pipelines() -> str:

@@ -177,11 +177,16 @@ class FluxAdapter(PackedLatentAdapter):
         return vae_decode(self.pipeline.vae, latents)
 
 
-def build_tiny_flux_pipeline(seed: int = 0, latent_size: int = 16, guidance_embeds: bool = True):
+def build_tiny_flux_pipeline(
+    seed: int = 0, latent_size: int = 16, guidance_embeds: bool = True, pipeline_cls=None, name: str = TINY_FLUX_NAME
+):
     """A random-weight ``FluxPipeline`` from FLUX's own classes (as diffusers' tests build one): one dual- and one
     single-stream block, a 2x VAE with 4 latent channels (images ``2 * latent_size`` square), tiny CLIP and T5.
-    ``guidance_embeds=True`` is FLUX.1-dev's layout, ``False`` schnell's."""
+    ``guidance_embeds=True`` is FLUX.1-dev's layout, ``False`` schnell's; ``pipeline_cls``: another pipeline of the
+    same components (``FluxKontextPipeline``), registered as ``name``."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    pipeline_cls = pipeline_cls or FluxPipeline
 
     def build():
         transformer = FluxTransformer2DModel(
@@ -201,7 +206,7 @@ def build_tiny_flux_pipeline(seed: int = 0, latent_size: int = 16, guidance_embe
 
     transformer, vae, clip, t5 = seeded_build(seed, build)
     scheduler = tiny_dynamic_shift_scheduler()
-    pipe = FluxPipeline(
+    pipe = pipeline_cls(
         scheduler=scheduler,
         vae=vae,
         text_encoder=clip,
@@ -210,6 +215,6 @@ def build_tiny_flux_pipeline(seed: int = 0, latent_size: int = 16, guidance_embe
         tokenizer_2=tiny_t5_tokenizer(),
         transformer=transformer,
     )
-    pipe.register_to_config(_name_or_path=TINY_FLUX_NAME)
+    pipe.register_to_config(_name_or_path=name)
     pipe.tiny_seed = seed
     return pipe

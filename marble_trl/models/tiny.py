@@ -28,7 +28,17 @@ TINY_FLUX_NAME = "tiny-flux"
 TINY_WAN_NAME = "tiny-wan"
 TINY_QWEN_IMAGE_NAME = "tiny-qwen-image"
 TINY_Z_IMAGE_NAME = "tiny-z-image"
-TINY_MODEL_NAMES = (TINY_MODEL_NAME, TINY_FLUX_NAME, TINY_WAN_NAME, TINY_QWEN_IMAGE_NAME, TINY_Z_IMAGE_NAME)
+TINY_FLUX_KONTEXT_NAME = "tiny-flux-kontext"
+TINY_QWEN_IMAGE_EDIT_NAME = "tiny-qwen-image-edit"
+TINY_MODEL_NAMES = (
+    TINY_MODEL_NAME,
+    TINY_FLUX_NAME,
+    TINY_WAN_NAME,
+    TINY_QWEN_IMAGE_NAME,
+    TINY_Z_IMAGE_NAME,
+    TINY_FLUX_KONTEXT_NAME,
+    TINY_QWEN_IMAGE_EDIT_NAME,
+)
 # The ShapesBench base model shipped inside the package (marble_trl/shapesbench/weights/shapes): a tiny SD3.5-
 # architecture pipeline pretrained on the ShapesBench world, the README's main job (docs/shapesbench.md).
 SHAPES_MODEL_NAME = "shapes"

@@ -19,6 +19,7 @@ import torch
 from accelerate.utils import gather_object
 
 from ..data.prompts import check_prompt_dataset
+from ..data.source_images import SOURCE_IMAGES_COLUMN, SourceImageLoader
 from ..data.sources import SOURCE_COLUMN
 from ..evaluation.images import generate_eval_images, grid_image, sample_seed
 from ..evaluation.results import summarize_scores
@@ -48,6 +49,7 @@ def evaluate_dataset(
     reward_names: list[str],
     param_ema: LoraEMA | None,
     autocast: Callable[[], contextlib.AbstractContextManager],
+    source_images: SourceImageLoader | None = None,
 ) -> EvalResult:
     """Score ``args.eval_num_images_per_prompt`` images of every prompt of ``dataset`` (see the module docstring),
     with the parameter-EMA weights swapped in when ``param_ema`` is given and ``args.eval_use_param_ema`` is on."""
@@ -73,6 +75,10 @@ def evaluate_dataset(
                 chunk = shard[b : b + batch]
                 records = [dataset[p] for p, _ in chunk]
                 prompts = [r["prompt"] for r in records]
+                columns = {c: [r.get(c) for r in records] for c in extra}
+                sources = None
+                if source_images is not None:  # an editing model: the rewards get the pixels it edited
+                    sources = columns[SOURCE_IMAGES_COLUMN] = source_images(columns[SOURCE_IMAGES_COLUMN])
                 with autocast():
                     images = generate_eval_images(
                         pipeline,
@@ -85,8 +91,8 @@ def evaluate_dataset(
                         negative_prompt=args.negative_prompt,
                         max_sequence_length=args.max_sequence_length,
                         device=accelerator.device,
+                        source_images=sources,
                     )
-                columns = {c: [r.get(c) for r in records] for c in extra}
                 scores = score_rewards(reward_funcs, prompts, images, columns, reward_names)
                 for j, (p, i) in enumerate(chunk):
                     if b + j >= shard_real:
@@ -138,16 +144,32 @@ class EvaluationHooks:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[str], seed: int = 0, use_lora: bool = True, num_steps: int | None = None
+        self,
+        prompts: list[str],
+        seed: int = 0,
+        use_lora: bool = True,
+        num_steps: int | None = None,
+        source_images: Any = None,
     ) -> torch.Tensor:
         """Images ``[N, 3, H, W]`` in ``[0, 1]`` for ``prompts`` with the trained LoRA (or the base model when
         ``use_lora=False``), with the rollout solver and a fixed seed (one generator per call, so the same seed gives
-        the same noise with and without the LoRA)."""
+        the same noise with and without the LoRA). An editing model edits ``source_images``: one per prompt, as a
+        ``source_images`` column holds them (paths, PIL images, ...) or as a ``[N, 3, H, W]`` tensor in ``[0, 1]``."""
         args = self.args
         transformer = self.transformer
         was_training = transformer.training
         transformer.eval()
-        embeds, negative = self._encode(prompts)
+        sources = None
+        if self.source_images is not None:
+            if source_images is None:
+                raise ValueError(
+                    "generate: this model edits images; pass source_images= (one per prompt: paths, PIL images or a "
+                    "[N, 3, H, W] tensor in [0, 1])."
+                )
+            sources = self.source_images(list(source_images))
+        elif source_images is not None:
+            raise ValueError("generate: source_images= is for editing models; this one generates from text alone.")
+        embeds, negative = self._encode(prompts, sources)
         context = contextlib.nullcontext() if use_lora else use_reference_weights(transformer)
         with context, self._autocast():
             latents = self.model_adapter.sample(
@@ -221,6 +243,7 @@ class EvaluationHooks:
             reward_names=self.eval_reward_names,
             param_ema=self.param_ema,
             autocast=self._autocast,
+            source_images=self.source_images,
         )
         if result.grid is not None:
             tag = save_eval_grid(result.grid, self.args.output_dir, prefix, self.state.global_step)

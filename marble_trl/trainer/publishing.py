@@ -58,6 +58,25 @@ def default_sample_prompts(trainer: Trainer, n: int) -> list[str]:
     return list(dict.fromkeys(trainer.train_dataset["prompt"]))[:n] if n > 0 else []
 
 
+def sample_sources(trainer: Trainer, prompts: list[str]) -> list | None:
+    """An editing model's source image for each sample prompt: that of the first train row with the prompt (``None``
+    for a text-to-image model)."""
+    if getattr(trainer, "source_images", None) is None:
+        return None
+    from ..data.source_images import SOURCE_IMAGES_COLUMN
+
+    first: dict[str, int] = {}
+    for k, prompt in enumerate(trainer.train_dataset["prompt"]):
+        first.setdefault(prompt, k)
+    missing = [p for p in prompts if p not in first]
+    if missing:
+        raise ValueError(
+            f"sample_prompts {missing} are not in the train dataset: an editing model's samples edit the source image "
+            "of the train row with that prompt."
+        )
+    return [trainer.train_dataset[first[p]][SOURCE_IMAGES_COLUMN] for p in prompts]
+
+
 def write_trainer_card(trainer: Trainer, folder: str | None = None, **overrides) -> Path | None:
     """The trainer's ``create_model_card``: README.md (and marble_trl.json) in ``folder`` (default ``output_dir``).
 
@@ -80,7 +99,8 @@ def render_trainer_samples(trainer: Trainer, folder: Path, prompts: list[str], s
     shutil.rmtree(folder / SAMPLES_DIR, ignore_errors=True)
     if not prompts:
         return []
-    pairs = save_samples(trainer.generate(prompts, seed=seed), prompts, folder)
+    images = trainer.generate(prompts, seed=seed, source_images=sample_sources(trainer, prompts))
+    pairs = save_samples(images, prompts, folder)
     (folder / SAMPLES_DIR / "prompts.json").write_text(
         json.dumps({Path(p).name: prompt for p, prompt in pairs}, indent=2) + "\n", encoding="utf-8"
     )
@@ -116,7 +136,7 @@ def push_trainer(
         trainer.save_model(_internal_call=True)
         if not trainer.is_world_process_zero():
             if trainer.shards_transformer and prompts:  # the main process's forwards need this one's shards
-                trainer.generate(prompts, seed=0)
+                trainer.generate(prompts, seed=0, source_images=sample_sources(trainer, prompts))
             return None
         samples = render_trainer_samples(trainer, folder, prompts)
     trainer.create_model_card(samples=samples, weights="ema" if ema else "raw", **card_overrides)

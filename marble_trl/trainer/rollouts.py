@@ -12,6 +12,7 @@ import torch
 
 from ..balance import MarbleBalancer
 from ..balance.advantages import collate_advantages
+from ..data.source_images import SOURCE_IMAGES_COLUMN
 from ..data.sources import SOURCE_COLUMN
 from ..distributed import num_train_timesteps
 from ..models import Conditioning
@@ -53,9 +54,10 @@ class RolloutHooks:
         prompts = [s["prompt"] for s in samples]
         columns = {key: [s.get(key) for s in samples] for key in samples[0] if key != "prompt"}
         micro = len(batches[0])
+        sources = self._source_pixels(columns)  # an editing model's source images; the rewards get them too
 
         start = time.perf_counter()
-        embeds, negative = self._encode(prompts)
+        embeds, negative = self._encode(prompts, sources)
         with use_old_weights(self.transformer), self._autocast():
             x0_all, images_all = rollouts(
                 self.model_adapter,
@@ -148,8 +150,21 @@ class RolloutHooks:
         self.session = StepSession(batches, self.balancer)
         return list(self.session.batches)
 
-    def _encode(self, prompts: list[str]) -> tuple[Conditioning, Conditioning | None]:
-        return encode_prompts_and_negative(self.model_adapter, prompts, self.args, self.accelerator.device)
+    def _encode(
+        self, prompts: list[str], source_images: torch.Tensor | None = None
+    ) -> tuple[Conditioning, Conditioning | None]:
+        return encode_prompts_and_negative(
+            self.model_adapter, prompts, self.args, self.accelerator.device, source_images
+        )
+
+    def _source_pixels(self, columns: dict[str, list[Any]]) -> torch.Tensor | None:
+        """An editing model's rows' source images as ``[B, 3, R, R]`` in ``[0, 1]``, written back into ``columns``
+        so that the rewards receive the pixels the model edited (``source_images=``); ``None`` for text-to-image."""
+        if self.source_images is None:
+            return None
+        pixels = self.source_images(columns[SOURCE_IMAGES_COLUMN])
+        columns[SOURCE_IMAGES_COLUMN] = pixels
+        return pixels
 
     def _append_metrics(self, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():

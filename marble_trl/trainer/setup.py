@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from ..data.prompts import GroupSampler, check_prompt_dataset
+from ..data.source_images import SOURCE_IMAGES_COLUMN, SourceImageLoader, check_source_images
 from ..data.sources import SOURCE_COLUMN
+from ..models.editing import probe_sources
 from ..rewards import RewardFunc, check_reward_funcs, resolve_reward_funcs, reward_name
 
 logger = logging.getLogger(__name__)
@@ -206,6 +208,24 @@ def eval_datasets(eval_dataset: Any) -> list[tuple[str, Any]]:
     return [("eval_dataset", eval_dataset)]
 
 
+def source_image_loader(adapter, args, train_dataset, eval_dataset) -> SourceImageLoader | None:
+    """An editing model's reader of the rows' source images, after every dataset's images were checked (a clear
+    error naming the row); ``None`` for a text-to-image model, which refuses a ``source_images`` column."""
+    datasets = [("train_dataset", train_dataset), *eval_datasets(eval_dataset)]
+    if not adapter.editing:
+        for name, dataset in datasets:
+            if SOURCE_IMAGES_COLUMN in dataset.column_names:
+                raise ValueError(
+                    f"{name} has a {SOURCE_IMAGES_COLUMN!r} column, but {type(adapter.pipeline).__name__} generates "
+                    "from text alone: train an editing model (FLUX.1 Kontext, Qwen-Image-Edit; docs/models.md) or "
+                    "drop the column."
+                )
+        return None
+    for name, dataset in datasets:
+        check_source_images(dataset, name)
+    return SourceImageLoader(args.resolution)
+
+
 def group_sampler(dataset, args) -> GroupSampler:
     """Whole groups, whole steps: the trainer's sampler over ``dataset`` (with the sources' ratios, if any)."""
     sources, ratios = source_indices(dataset, args.source_ratios)
@@ -232,8 +252,8 @@ def unreached_trainable(adapter, transformer: torch.nn.Module, params: dict[str,
     mixed = low is not None and torch.float32 in dtypes
     autocast = torch.autocast(device.type, dtype=low) if mixed else contextlib.nullcontext()
     with torch.no_grad(), autocast:
-        cond = adapter.encode([""], 8, device)
         side = adapter.latent_factor * 2
+        cond = adapter.encode([""], 8, device, **probe_sources(adapter, 1, side))
         scheduler = copy.deepcopy(adapter.pipeline.scheduler)
         x = adapter.sample(scheduler, cond, 1, side, torch.Generator().manual_seed(0))
     with torch.enable_grad(), autocast:

@@ -18,16 +18,21 @@ from accelerate.utils import gather, gather_object
 
 from ..balance import MarbleBalancer, ReleasedMarble
 from ..models import Conditioning
+from ..models.editing import source_kwargs
 
 StepMode = Literal["plain", "cosines", "refresh", "solve_first", "amortised", "pairwise"]
 
 
-def encode_prompts_and_negative(adapter, prompts: list[str], args, device) -> tuple[Conditioning, Conditioning | None]:
-    """The prompts' conditioning, and the negative prompt's when the family uses CFG and ``guidance_scale > 1``."""
-    embeds = adapter.encode(prompts, args.max_sequence_length, device, args.guidance_scale)
+def encode_prompts_and_negative(
+    adapter, prompts: list[str], args, device, source_images: torch.Tensor | None = None
+) -> tuple[Conditioning, Conditioning | None]:
+    """The prompts' conditioning, and the negative prompt's when the family uses CFG and ``guidance_scale > 1``; an
+    editing family's both see the rows' ``source_images``."""
+    sources = source_kwargs(adapter, source_images)
+    embeds = adapter.encode(prompts, args.max_sequence_length, device, args.guidance_scale, **sources)
     negative = None
     if adapter.needs_negative(args.guidance_scale):
-        negative = adapter.encode([args.negative_prompt] * len(prompts), args.max_sequence_length, device)
+        negative = adapter.encode([args.negative_prompt] * len(prompts), args.max_sequence_length, device, **sources)
     return embeds, negative
 
 

@@ -88,6 +88,7 @@ from .setup import (
     lora_config,
     make_balancer,
     resolve_aggregation,
+    source_image_loader,
     training_rewards,
 )
 from .step import (
@@ -159,6 +160,8 @@ class MarbleDiffusionNFTTrainer(RolloutHooks, PersistenceHooks, EvaluationHooks,
         for component in frozen_components(self.pipeline):
             component.requires_grad_(False).eval()
         check_resolution(args.resolution, self.model_adapter.latent_factor)
+        # an editing model's source images: every row's checked now (marble_trl.data.source_images)
+        self.source_images = source_image_loader(self.model_adapter, args, train_dataset, eval_dataset)
         transformer = self.model_adapter.transformer
 
         self.full_policy: FullPolicy | None = None  # use_peft=False: the trained weights' old policy and reference

@@ -1,0 +1,109 @@
+"""FLUX.1 Kontext (``FluxKontextPipeline``): FLUX.1 [dev] that edits a source image given an instruction.
+
+What differs from :mod:`.flux`, read from diffusers' ``pipeline_flux_kontext.py``:
+
+- **The source image's latents ride in the sequence.** The source is VAE-encoded (the distribution's mode, then
+  ``(z - shift) * scale``), packed like the noisy latent and appended to it on the token axis; its position ids are
+  the target's with the first coordinate 1. The transformer's output is cut back to the target's tokens. The
+  adapter's conditioning carries the source latents (:class:`FluxKontextConditioning`), so the trainer, the rollouts
+  and the training forward need nothing else: the policy is always conditioned on the image it edits.
+- **The grid.** The dynamic shift ``mu`` counts the target's tokens only (as the pipeline does).
+- **Sampling** goes through the pipeline's ``__call__`` with the source latents as ``image`` (a tensor with the VAE's
+  latent channels skips the pipeline's resize and VAE encode), ``max_area=resolution**2`` and ``_auto_resize=False``,
+  so a LoRA loaded in plain diffusers draws the same images from the same source pixels.
+- **Text** does not depend on the image (CLIP + T5, as FLUX.1): the prompt-embedding cache applies unchanged.
+
+The source pixels are the training resolution's square (:mod:`marble_trl.data.source_images`); FLUX.1 Kontext's
+preferred-resolution snapping (``_auto_resize``) is for inference on arbitrary images and is not applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .editing import unique_images
+from .flux import FluxAdapter, FluxConditioning, build_tiny_flux_pipeline, image_ids, pack, unpack
+from .tiny import TINY_FLUX_KONTEXT_NAME
+
+
+@dataclass
+class FluxKontextConditioning(FluxConditioning):
+    image_latents: torch.Tensor | None = None  # [B, C, h, w]: the source's scaled VAE latents (unpacked)
+
+
+class FluxKontextAdapter(FluxAdapter):
+    """FLUX.1 Kontext [dev] behind :class:`~marble_trl.models.family.FlowModelAdapter` (an editing family)."""
+
+    family = "flux_kontext"
+    pipeline_class_name = "FluxKontextPipeline"
+    tiny_name = TINY_FLUX_KONTEXT_NAME
+    hub_ids = ("black-forest-labs/FLUX.1-Kontext-dev",)
+    editing = True
+
+    @classmethod
+    def build_tiny(cls, seed: int = 0):
+        from diffusers import FluxKontextPipeline
+
+        return build_tiny_flux_pipeline(seed, pipeline_cls=FluxKontextPipeline, name=TINY_FLUX_KONTEXT_NAME)
+
+    def encode(self, prompts, max_sequence_length, device, guidance_scale=1.0, source_images=None):
+        if source_images is None:
+            raise ValueError(
+                "FLUX.1 Kontext edits an image: every prompt needs its source image (source_images=, or a "
+                "'source_images' dataset column; docs/models.md#editing-models)."
+            )
+        if len(source_images) != len(prompts):
+            raise ValueError(f"{len(source_images)} source images for {len(prompts)} prompts: give one per prompt.")
+        text = self._encode_text(prompts, max_sequence_length, device, guidance_scale)
+        return FluxKontextConditioning(**vars(text), image_latents=self.encode_images(source_images, device))
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor, device) -> torch.Tensor:
+        """``[B, 3, H, W]`` in ``[0, 1]`` -> the scaled VAE latents (``_encode_vae_image``), each distinct image once."""
+        vae = self.pipeline.vae
+        unique, rows = unique_images(images)
+        pixels = unique.to(device=device, dtype=vae.dtype) * 2 - 1  # VaeImageProcessor.normalize
+        latents = vae.encode(pixels).latent_dist.mode()
+        latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        return latents[torch.tensor(rows, device=latents.device)]
+
+    @torch.no_grad()
+    def sample(self, scheduler, cond: FluxKontextConditioning, num_steps: int, resolution: int,
+               generator: torch.Generator, guidance_scale: float = 1.0,
+               negative: FluxKontextConditioning | None = None) -> torch.Tensor:  # fmt: skip
+        out = self.call_for_latents(
+            scheduler,
+            num_steps,
+            resolution,
+            generator,
+            image=cond.image_latents.to(cond.prompt_embeds.dtype),
+            prompt_embeds=cond.prompt_embeds,
+            pooled_prompt_embeds=cond.pooled,
+            guidance_scale=guidance_scale,
+            max_area=resolution * resolution,
+            _auto_resize=False,
+        )
+        side = resolution // self.pipeline.vae_scale_factor
+        return unpack(out.images, side, side)
+
+    @staticmethod
+    def predict(module: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, cond: FluxKontextConditioning):
+        b, _, h, w = x_t.shape
+        source = cond.image_latents.to(x_t.dtype)
+        sh, sw = source.shape[-2:]
+        source_ids = image_ids(sh, sw, x_t.device, x_t.dtype)
+        source_ids[:, 0] = 1  # the source's ids: the target's with the first coordinate 1
+        target = pack(x_t)
+        velocity = module(
+            hidden_states=torch.cat([target, pack(source)], dim=1),
+            timestep=sigma.expand(b),
+            guidance=cond.guidance,
+            pooled_projections=cond.pooled,
+            encoder_hidden_states=cond.prompt_embeds,
+            txt_ids=cond.text_ids,
+            img_ids=torch.cat([image_ids(h, w, x_t.device, x_t.dtype), source_ids]),
+            return_dict=False,
+        )[0]
+        return unpack(velocity[:, : target.shape[1]], h, w)
