@@ -178,6 +178,9 @@ SHAPES_SOURCE_LOADERS: dict[str, tuple[str, dict[str, str]]] = {
     "shapes": ("marble_trl.shapesbench.world:train_dataset", {}),
     "shapes_eval": ("marble_trl.shapesbench.world:eval_dataset", {}),
     **{f"shapes_{f}": ("marble_trl.shapesbench.world:family_dataset", {"family": f}) for f in _SHAPES_FAMILIES},
+    # the editing world (an editing model's rows: instruction, source image, the scorers' columns)
+    "shapes_edit": ("marble_trl.shapesbench.edits:edit_dataset", {}),
+    "shapes_edit_eval": ("marble_trl.shapesbench.edits:edit_eval_dataset", {}),
 }
 SHAPES_SOURCES = tuple(SHAPES_SOURCE_LOADERS)
 

@@ -4,9 +4,48 @@ each distinct source image encoded once, and the ``source_images=`` argument tha
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+
+
+class EditingAdapter:
+    """The part of an editing family's adapter that is about its source images (mixed in before the family's text-to-
+    image adapter): they are square, ``source_resolution`` pixels a side, one per prompt."""
+
+    editing: ClassVar[bool] = True
+    # the pipeline's own conditioning size for a square source (it conditions on about 1024 x 1024 whatever the output
+    # size); an offline tiny pipeline sets a smaller `source_resolution` attribute
+    pipeline_source_resolution: ClassVar[int] = 1024
+
+    @property
+    def source_resolution(self) -> int:
+        """The side of the square source images the model is conditioned on (the data loader resizes to it)."""
+        return int(getattr(self.pipeline, "source_resolution", self.pipeline_source_resolution))
+
+    def check_sources(self, prompts: list[str], source_images: torch.Tensor | None) -> torch.Tensor:
+        """``source_images`` as ``[B, 3, S, S]`` (resized to :attr:`source_resolution` if given at another size), or a
+        clear error when they are missing or do not match the prompts."""
+        name = type(self.pipeline).__name__
+        if source_images is None:
+            raise ValueError(
+                f"{name} edits images: every prompt needs its source image (source_images=, or a 'source_images' "
+                "dataset column; docs/models.md#editing-models)."
+            )
+        if source_images.ndim != 4 or source_images.shape[1] != 3 or len(source_images) != len(prompts):
+            raise ValueError(
+                f"{name}: source_images must be [B, 3, H, W] in [0, 1] with one image per prompt; got shape "
+                f"{tuple(source_images.shape)} for {len(prompts)} prompts."
+            )
+        return at_resolution(source_images, self.source_resolution)
+
+
+def at_resolution(images: torch.Tensor, side: int) -> torch.Tensor:
+    """``images`` (``[B, 3, H, W]`` in ``[0, 1]``) at ``side x side`` (bicubic, antialiased), unchanged if they are."""
+    if tuple(images.shape[-2:]) == (side, side):
+        return images
+    resized = torch.nn.functional.interpolate(images.float(), size=(side, side), mode="bicubic", antialias=True)
+    return resized.clamp(0, 1)
 
 
 def unique_images(images: torch.Tensor) -> tuple[torch.Tensor, list[int]]:

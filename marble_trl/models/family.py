@@ -22,6 +22,7 @@ from .flux import FluxAdapter
 from .flux_kontext import FluxKontextAdapter
 from .loading import local_folder, pipeline_class_name
 from .qwen_image import QwenImageAdapter
+from .qwen_image_edit import QwenImageEditAdapter
 from .sd3 import SD3Adapter
 from .tiny import SHAPES_MODEL_NAME
 from .wan import WanAdapter
@@ -115,6 +116,7 @@ FAMILIES: tuple[type, ...] = (
     QwenImageAdapter,
     ZImageAdapter,
     FluxKontextAdapter,
+    QwenImageEditAdapter,
 )
 
 

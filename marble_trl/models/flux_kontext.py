@@ -13,8 +13,10 @@ What differs from :mod:`.flux`, read from diffusers' ``pipeline_flux_kontext.py`
   so a LoRA loaded in plain diffusers draws the same images from the same source pixels.
 - **Text** does not depend on the image (CLIP + T5, as FLUX.1): the prompt-embedding cache applies unchanged.
 
-The source pixels are the training resolution's square (:mod:`marble_trl.data.source_images`); FLUX.1 Kontext's
-preferred-resolution snapping (``_auto_resize``) is for inference on arbitrary images and is not applied.
+**The source's size.** The pipeline conditions on the source snapped to the preferred Kontext resolution of its aspect
+ratio (``_auto_resize``: 1024 x 1024 for a square), whatever the output size; the adapter conditions on 1024 x 1024
+sources (:attr:`~.editing.EditingAdapter.source_resolution`; the tiny model on 32 x 32), which a plain-diffusers call
+with a square source reproduces.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .editing import unique_images
+from .editing import EditingAdapter, unique_images
 from .flux import FluxAdapter, FluxConditioning, build_tiny_flux_pipeline, image_ids, pack, unpack
-from .tiny import TINY_FLUX_KONTEXT_NAME
+from .tiny import TINY_FLUX_KONTEXT_NAME, TINY_SOURCE_RESOLUTION
 
 
 @dataclass
@@ -33,29 +35,24 @@ class FluxKontextConditioning(FluxConditioning):
     image_latents: torch.Tensor | None = None  # [B, C, h, w]: the source's scaled VAE latents (unpacked)
 
 
-class FluxKontextAdapter(FluxAdapter):
+class FluxKontextAdapter(EditingAdapter, FluxAdapter):
     """FLUX.1 Kontext [dev] behind :class:`~marble_trl.models.family.FlowModelAdapter` (an editing family)."""
 
     family = "flux_kontext"
     pipeline_class_name = "FluxKontextPipeline"
     tiny_name = TINY_FLUX_KONTEXT_NAME
     hub_ids = ("black-forest-labs/FLUX.1-Kontext-dev",)
-    editing = True
 
     @classmethod
     def build_tiny(cls, seed: int = 0):
         from diffusers import FluxKontextPipeline
 
-        return build_tiny_flux_pipeline(seed, pipeline_cls=FluxKontextPipeline, name=TINY_FLUX_KONTEXT_NAME)
+        pipe = build_tiny_flux_pipeline(seed, pipeline_cls=FluxKontextPipeline, name=TINY_FLUX_KONTEXT_NAME)
+        pipe.source_resolution = TINY_SOURCE_RESOLUTION
+        return pipe
 
     def encode(self, prompts, max_sequence_length, device, guidance_scale=1.0, source_images=None):
-        if source_images is None:
-            raise ValueError(
-                "FLUX.1 Kontext edits an image: every prompt needs its source image (source_images=, or a "
-                "'source_images' dataset column; docs/models.md#editing-models)."
-            )
-        if len(source_images) != len(prompts):
-            raise ValueError(f"{len(source_images)} source images for {len(prompts)} prompts: give one per prompt.")
+        source_images = self.check_sources(prompts, source_images)
         text = self._encode_text(prompts, max_sequence_length, device, guidance_scale)
         return FluxKontextConditioning(**vars(text), image_latents=self.encode_images(source_images, device))
 

@@ -138,59 +138,76 @@ class QwenImageAdapter(PackedLatentAdapter):
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
 
-def tiny_qwen_tokenizer():
-    """A byte-level BPE tokenizer without merges (one token per byte) and Qwen's chat specials: no download."""
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def tiny_qwen_tokenizer(vision: bool = False):
+    """A byte-level BPE tokenizer without merges (one token per byte) and Qwen's chat specials (and, with ``vision``,
+    Qwen2.5-VL's vision specials, for Qwen-Image-Edit's image prompts): no download."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
     vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+    specials = ["<|im_start|>", "<|im_end|>", *(VISION_SPECIALS if vision else ())]
+    for special in ("<|endoftext|>", *specials):
         vocab[special] = len(vocab)
     tokenizer = Qwen2Tokenizer(
         vocab=vocab, merges=[], unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
     return tokenizer
+
+
+def qwen_image_components(tokenizer):
+    """The tiny Qwen-Image's transformer, VAE and Qwen2.5-VL (random weights; call under a seed); the VL model's
+    special-token ids are ``tokenizer``'s when it has the vision specials (Qwen-Image-Edit's)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vocab, pad, eos = len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id
+    ids = {name: vocab - k for name, k in (("vision_start_token_id", 4), ("vision_end_token_id", 5),
+                                           ("image_token_id", 7), ("video_token_id", 8))}  # fmt: skip
+    if "<|image_pad|>" in tokenizer.get_vocab():
+        ids = {
+            "vision_start_token_id": tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+            "vision_end_token_id": tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+            "image_token_id": tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+            "video_token_id": tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+        }
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        guidance_embeds=False,
+        axes_dims_rope=(4, 4, 8),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=4, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True]
+    )
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "vocab_size": vocab, "bos_token_id": eos, "eos_token_id": eos,
+            "pad_token_id": pad, "rope_theta": 1000000.0,
+            "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
+        },
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
+        hidden_size=16, vocab_size=vocab, vision_token_id=vocab - 6, **ids,
+    )  # fmt: skip
+    return transformer.eval(), vae.eval(), Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
 def build_tiny_qwen_image_pipeline(seed: int = 0):
     """A random-weight ``QwenImagePipeline`` from Qwen-Image's own classes (as diffusers' tests build one): two
     blocks, a Qwen-Image VAE with 4x compression and 16 latent channels, a tiny Qwen2.5-VL."""
-    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import QwenImagePipeline
 
     tokenizer = tiny_qwen_tokenizer()
-    vocab, pad, eos = len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id
-
-    def build():
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=64,
-            out_channels=16,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=16,
-            guidance_embeds=False,
-            axes_dims_rope=(4, 4, 8),
-        )
-        vae = AutoencoderKLQwenImage(
-            base_dim=4, z_dim=16, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True]
-        )
-        config = Qwen2_5_VLConfig(
-            text_config={
-                "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
-                "num_key_value_heads": 2, "vocab_size": vocab, "bos_token_id": eos, "eos_token_id": eos,
-                "pad_token_id": pad, "rope_theta": 1000000.0,
-                "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"},
-            },
-            vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 16},
-            hidden_size=16, vocab_size=vocab, vision_start_token_id=vocab - 4, vision_end_token_id=vocab - 5,
-            vision_token_id=vocab - 6, image_token_id=vocab - 7, video_token_id=vocab - 8,
-        )  # fmt: skip
-        return transformer.eval(), vae.eval(), Qwen2_5_VLForConditionalGeneration(config).eval()
-
-    transformer, vae, text_encoder = seeded_build(seed, build)
+    transformer, vae, text_encoder = seeded_build(seed, lambda: qwen_image_components(tokenizer))
     scheduler = tiny_dynamic_shift_scheduler()
     pipe = QwenImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer

@@ -30,6 +30,7 @@ TINY_QWEN_IMAGE_NAME = "tiny-qwen-image"
 TINY_Z_IMAGE_NAME = "tiny-z-image"
 TINY_FLUX_KONTEXT_NAME = "tiny-flux-kontext"
 TINY_QWEN_IMAGE_EDIT_NAME = "tiny-qwen-image-edit"
+TINY_SOURCE_RESOLUTION = 32  # the tiny editing models' source images (the real ones condition on about 1024 x 1024)
 TINY_MODEL_NAMES = (
     TINY_MODEL_NAME,
     TINY_FLUX_NAME,

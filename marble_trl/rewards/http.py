@@ -4,6 +4,8 @@ Protocol (JSON over ``POST url``; see docs/rewards.md):
 
 - request: ``{"prompts": [str, ...], "images": [base64 str, ...], "metadata": {column: [value, ...], ...}}`` with one
   entry per sample; images are base64-encoded PNG (lossless, the default) or JPEG files, without a ``data:`` prefix;
+  an editing model's rewards also send ``"source_images": [base64 str, ...]``, the image each sample edited (so a
+  VLM judge grades the edit against its source);
 - response: ``{"scores": [float | null, ...]}``, one per sample, ``null`` meaning "not applicable".
 
 Time limits: ``timeout`` is a wall-clock deadline for one whole request (connect, send, the full response), which a
@@ -147,7 +149,9 @@ class HTTPReward:
     def _fail(self, message: str) -> HTTPRewardError:
         return HTTPRewardError(f"Reward {self.__name__!r} at {self.url}: {message}")
 
-    def _payload(self, prompts: list[str], images: torch.Tensor, columns: dict[str, Any]) -> bytes:
+    def _payload(
+        self, prompts: list[str], images: torch.Tensor, columns: dict[str, Any], sources: torch.Tensor | None = None
+    ) -> bytes:
         metadata = {}
         for key, values in columns.items():
             if self.columns is not None and key not in self.columns:
@@ -165,6 +169,8 @@ class HTTPReward:
             "images": encode_images(images, self.image_format, self.jpeg_quality),
             "metadata": metadata,
         }
+        if sources is not None:
+            body["source_images"] = encode_images(sources, self.image_format, self.jpeg_quality)
         return json.dumps(body).encode("utf-8")
 
     def _request(self, data: bytes, deadline: float, sockets: _Sockets) -> bytes:
@@ -308,10 +314,12 @@ class HTTPReward:
             budget = f"`total_timeout` = {total:g} s (the default, 3 x (`timeout` + `backoff`) per request)"
         budget_end = time.monotonic() + total
         scores: list[float | None] = []
+        sources = columns.pop("source_images", None)  # an editing model's sources: sent as images, not metadata
         for i, start in enumerate(range(0, n, step)):
             stop = min(start + step, n)
             chunk_columns = {k: list(v)[start:stop] for k, v in dataset_columns(columns).items()}  # not trainer_state
-            data = self._payload(list(prompts[start:stop]), images[start:stop], chunk_columns)
+            chunk_sources = sources[start:stop] if isinstance(sources, torch.Tensor) else None
+            data = self._payload(list(prompts[start:stop]), images[start:stop], chunk_columns, chunk_sources)
             request = f", request {i + 1} of {n_requests}" if n_requests > 1 else ""
             scores.extend(self._parse(self._post(data, budget_end, budget, request), stop - start))
         return scores

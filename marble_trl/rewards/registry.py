@@ -33,6 +33,8 @@ BUILTIN_REWARDS: dict[str, tuple[str, bool]] = {
     "ocr": ("marble_trl.rewards.ocr:OCRReward", True),
     "geneval": ("marble_trl.rewards.geneval:geneval", True),
     "http_reward": ("marble_trl.rewards.http:HTTPReward", True),
+    "clip_directional": ("marble_trl.rewards.editing:CLIPDirectional", True),
+    "preservation": ("marble_trl.rewards.editing:preservation", False),
     "unifiedreward": ("marble_trl.rewards.http:unifiedreward", True),
     **{
         f"shapes_{name}": (f"marble_trl.shapesbench.rewards:shapes_{name}", False)
@@ -46,6 +48,8 @@ BUILTIN_REWARDS: dict[str, tuple[str, bool]] = {
             "judge",
             "retrieval",
             "diversity",
+            "edit_instruction",
+            "edit_preservation",
         )
     },  # fmt: skip
 }

@@ -123,7 +123,12 @@ def parse_request(body: bytes, limits: ServeLimits) -> tuple[list[str], torch.Te
             raise RequestError(400, f"metadata column {key!r} must be a list (one value per sample).")
         if len(values) != len(prompts):
             raise RequestError(400, f"metadata column {key!r} has {len(values)} values for {len(prompts)} prompts.")
-    clash = sorted(set(metadata) & {"prompt", *RESERVED_NAMES})
+    clash = sorted(set(metadata) & {"prompt", "source_images", *RESERVED_NAMES})
     if clash:
         raise RequestError(400, f"metadata columns may not be named {clash}: the server passes those itself.")
+    sources = payload.get("source_images")
+    if sources is not None:  # an editing model's source images: the reward gets them as `source_images=`
+        if not isinstance(sources, list) or len(sources) != len(prompts):
+            raise RequestError(400, "'source_images' must be a list of base64 strings, one per prompt.")
+        metadata = {**metadata, "source_images": decode_images(sources, limits) if sources else None}
     return prompts, decode_images(images, limits) if images else None, metadata

@@ -35,3 +35,17 @@ shapes_fidelity = _make("fidelity")
 shapes_judge = _make("judge")
 shapes_retrieval = _make("retrieval")
 shapes_diversity = _make("diversity")
+
+
+def shapes_edit_instruction(prompts: list[str], images: torch.Tensor, **columns: Any) -> list[float | None]:
+    """ShapesBench edits' instruction following (marble_trl.shapesbench.edits.instruction)."""
+    from .edits import instruction
+
+    return instruction(prompts, images, **columns)
+
+
+def shapes_edit_preservation(prompts: list[str], images: torch.Tensor, **columns: Any) -> list[float | None]:
+    """ShapesBench edits' preservation of the unedited quadrants (marble_trl.shapesbench.edits.preservation)."""
+    from .edits import preservation
+
+    return preservation(prompts, images, **columns)

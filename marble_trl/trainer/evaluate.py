@@ -23,6 +23,7 @@ from ..data.source_images import SOURCE_IMAGES_COLUMN, SourceImageLoader
 from ..data.sources import SOURCE_COLUMN
 from ..evaluation.images import generate_eval_images, grid_image, sample_seed
 from ..evaluation.results import summarize_scores
+from ..models.editing import at_resolution
 from ..persistence.best import selection_metrics
 from ..policy.lora import LoraEMA
 from ..policy.switch import use_reference_weights
@@ -78,7 +79,8 @@ def evaluate_dataset(
                 columns = {c: [r.get(c) for r in records] for c in extra}
                 sources = None
                 if source_images is not None:  # an editing model: the rewards get the pixels it edited
-                    sources = columns[SOURCE_IMAGES_COLUMN] = source_images(columns[SOURCE_IMAGES_COLUMN])
+                    sources = source_images(columns[SOURCE_IMAGES_COLUMN])
+                    columns[SOURCE_IMAGES_COLUMN] = at_resolution(sources, args.resolution)
                 with autocast():
                     images = generate_eval_images(
                         pipeline,

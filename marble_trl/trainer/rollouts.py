@@ -16,6 +16,7 @@ from ..data.source_images import SOURCE_IMAGES_COLUMN
 from ..data.sources import SOURCE_COLUMN
 from ..distributed import num_train_timesteps
 from ..models import Conditioning
+from ..models.editing import at_resolution
 from ..policy.switch import use_old_weights
 from ..rewards import RewardLogs, score_rewards
 from .metrics import flush_reward_logs, reward_metrics, save_rollout_grid
@@ -158,12 +159,13 @@ class RolloutHooks:
         )
 
     def _source_pixels(self, columns: dict[str, list[Any]]) -> torch.Tensor | None:
-        """An editing model's rows' source images as ``[B, 3, R, R]`` in ``[0, 1]``, written back into ``columns``
-        so that the rewards receive the pixels the model edited (``source_images=``); ``None`` for text-to-image."""
+        """An editing model's rows' source images as ``[B, 3, S, S]`` in ``[0, 1]`` (``S``: the model's source
+        resolution), written back into ``columns`` at the training resolution so that the rewards receive the source
+        beside each edit, pixel for pixel (``source_images=``); ``None`` for a text-to-image model."""
         if self.source_images is None:
             return None
-        pixels = self.source_images(columns[SOURCE_IMAGES_COLUMN])
-        columns[SOURCE_IMAGES_COLUMN] = pixels
+        pixels = self.source_images(columns[SOURCE_IMAGES_COLUMN])  # at the model's source resolution
+        columns[SOURCE_IMAGES_COLUMN] = at_resolution(pixels, self.args.resolution)  # beside the edits
         return pixels
 
     def _append_metrics(self, metrics: dict[str, float]) -> None:

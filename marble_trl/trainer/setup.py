@@ -223,7 +223,7 @@ def source_image_loader(adapter, args, train_dataset, eval_dataset) -> SourceIma
         return None
     for name, dataset in datasets:
         check_source_images(dataset, name)
-    return SourceImageLoader(args.resolution)
+    return SourceImageLoader(adapter.source_resolution)
 
 
 def group_sampler(dataset, args) -> GroupSampler:
