@@ -20,6 +20,7 @@ from marble_trl.data.prompts import load_prompt_dataset
 from marble_trl.models import FAMILIES, adapter_for, family_of, load_model
 from marble_trl.policy.nft import add_noise, nft_loss_terms
 from marble_trl.publish.export import generate_images
+from marble_trl.rewards.images import to_pil
 from marble_trl.rollout.solvers import make_scheduler, training_sigmas
 
 pytestmark = pytest.mark.filterwarnings("ignore:Already found a `peft_config`:UserWarning")
@@ -34,15 +35,40 @@ def _guidance(adapter) -> float:
     return 3.5 if adapter.guidance == "embedded" else 2.0  # CFG families: a real CFG rollout with the negative prompt
 
 
+def _sources(adapter, n: int) -> dict:
+    """An editing family's source images for ``n`` prompts (two distinct images, in turn), ``{}`` otherwise."""
+    if not adapter.editing:
+        return {}
+    side = adapter.source_resolution
+    images = torch.rand(2, 3, side, side, generator=torch.Generator().manual_seed(11))
+    return {"source_images": images[torch.arange(n) % 2]}
+
+
+def _encode(adapter, prompts: list[str], max_len: int, guidance: float = 1.0):
+    return adapter.encode(prompts, max_len, CPU, guidance, **_sources(adapter, len(prompts)))
+
+
+def _dataset(adapter_or_name):
+    """The prompts a family trains on here: the bundled prompts, an editing family's the ShapesBench edits."""
+    from marble_trl.data.sources import load_source
+
+    editing = family_of(adapter_or_name).editing if isinstance(adapter_or_name, str) else adapter_or_name.editing
+    return load_source("shapes_edit") if editing else load_prompt_dataset()
+
+
 def _initial_noise(adapter, n: int, seed: int) -> torch.Tensor:
     """The pipeline's first draw from ``seed``: noise of the adapter's latent shape (drawn unpacked)."""
-    x0 = adapter.sample(make_scheduler("euler", adapter.pipeline.scheduler), adapter.encode(PROMPTS[:1] * n, 8, CPU),
+    x0 = adapter.sample(make_scheduler("euler", adapter.pipeline.scheduler), _encode(adapter, PROMPTS[:1] * n, 8),
                         1, RESOLUTION, torch.Generator().manual_seed(seed))  # fmt: skip
     return torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed), dtype=x0.dtype)
 
 
 @pytest.mark.parametrize("name", TINY_NAMES)
 def test_offline_name_folder_and_pipeline_pick_the_family(name, tmp_path):
+    import importlib.util
+
+    if name == "tiny-qwen-image-edit" and importlib.util.find_spec("torchvision") is None:
+        pytest.skip("transformers saves and loads the Qwen2-VL processor with its video processor: torchvision")
     adapter = load_model(name)
     assert adapter.tiny_name == name and adapter_for(adapter.pipeline).family == adapter.family
     folder = tmp_path / "model"
@@ -75,8 +101,8 @@ def test_rollout_is_euler_on_the_trainers_velocity_and_grid(name):
     trainer's training grid with the adapter's ``predict``, guidance as the family uses it."""
     adapter = load_model(name)
     guidance, steps = _guidance(adapter), 4
-    cond = adapter.encode(PROMPTS, 8, CPU, guidance)
-    negative = adapter.encode([""] * 2, 8, CPU) if adapter.needs_negative(guidance) else None
+    cond = _encode(adapter, PROMPTS, 8, guidance)
+    negative = _encode(adapter, [""] * 2, 8) if adapter.needs_negative(guidance) else None
     scheduler = make_scheduler("euler", adapter.pipeline.scheduler)
     x0 = adapter.sample(scheduler, cond, steps, RESOLUTION, torch.Generator().manual_seed(5), guidance, negative)
 
@@ -92,7 +118,7 @@ def test_rollout_is_euler_on_the_trainers_velocity_and_grid(name):
             nxt = sigmas[i + 1] if i + 1 < steps else torch.tensor(0.0)
             x = x + (nxt - s) * v
     assert (x0 - x).abs().max() < 1e-4 * x0.abs().max(), (x0 - x).abs().max()
-    other = adapter.sample(scheduler, adapter.encode(PROMPTS, 8, CPU, 1.0), steps, RESOLUTION,
+    other = adapter.sample(scheduler, _encode(adapter, PROMPTS, 8, 1.0), steps, RESOLUTION,
                            torch.Generator().manual_seed(5), 1.0)  # fmt: skip
     assert (other - x0).abs().max() > 1e-4, "vacuous: guidance changes nothing"
 
@@ -129,7 +155,7 @@ def test_per_reward_gradients_equal_explicit_autograd_float64(name):
             if "lora_B" in n:
                 p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(len(n)))
     params = [p for p in transformer.parameters() if p.requires_grad]
-    cond = adapter.encode(PROMPTS * 2, 8, CPU, _guidance(adapter))
+    cond = _encode(adapter, PROMPTS * 2, 8, _guidance(adapter))
     g = torch.Generator().manual_seed(1)
     shape = _initial_noise(adapter, 4, 0).shape
     x0, eps = (
@@ -163,7 +189,7 @@ def test_per_reward_gradients_equal_explicit_autograd_float64(name):
 def test_prop1_amortised_step_equals_weighted_per_reward_gradients(name, tmp_path):
     """MARBLE Prop. 1 through the trainer on each family: one backward with A_bar = sum_k alpha_k g_k."""
     args = tiny_args(tmp_path, max_steps=1, marble_gradient_engine="reference", lora_target_modules=None)
-    trainer = MarbleDiffusionNFTTrainer(name, [brightness, contrast], args=args, train_dataset=load_prompt_dataset())
+    trainer = MarbleDiffusionNFTTrainer(name, [brightness, contrast], args=args, train_dataset=_dataset(name))
     assert trainer.args.lora_target_modules == list(trainer.model_adapter.default_lora_targets)
     state = trainer.balancer.state_dict()
     state["alpha_bar"] = [0.7, 0.3]
@@ -196,6 +222,8 @@ def test_cli_trains_and_the_lora_loads_with_the_family_pipeline(name, tmp_path):
     argv += ["--prompts_per_step", "2", "--per_device_train_batch_size", "4", "--num_sample_steps", "2"]
     argv += ["--max_sequence_length", "8", "--learning_rate", "5e-2", "--report_to", "none", "--use_cpu", "true"]
     argv += ["--sample_grid_prompts", "0", "--eval_before_after", "false", "--sample_scheduler", "euler"]
+    if family_of(name).editing:  # an editing family trains on instructions with their source images
+        argv += ["--dataset_name", "shapes_edit"]
     assert main(argv) == 0
     summary = json.loads((out / "run_summary.json").read_text())
     assert summary["global_step"] == 2
@@ -211,18 +239,19 @@ def test_saved_lora_reproduces_the_trainers_samples_in_the_family_pipeline(name,
     video = family_of(name).video
     args = tiny_args(tmp_path, max_steps=2, learning_rate=5e-2, lora_target_modules=None,
                      **({"num_frames": 3} if video else {}))  # fmt: skip
-    trainer = MarbleDiffusionNFTTrainer(name, [brightness, contrast], args=args, train_dataset=load_prompt_dataset())
+    trainer = MarbleDiffusionNFTTrainer(name, [brightness, contrast], args=args, train_dataset=_dataset(name))
     trainer.train()
     folder = tmp_path / "lora"
     trainer.save_model(str(folder))
-    ours = trainer.generate(PROMPTS, seed=3)
-    base = trainer.generate(PROMPTS, seed=3, use_lora=False)
+    sources = _sources(trainer.model_adapter, len(PROMPTS))
+    ours = trainer.generate(PROMPTS, seed=3, **sources)
+    base = trainer.generate(PROMPTS, seed=3, use_lora=False, **sources)
     assert (ours - base).abs().max() > 1e-4, "vacuous: the LoRA changes nothing"
 
     fresh = load_model(name)
     fresh.pipeline.load_lora_weights(str(folder))  # the family pipeline's own loader
     fresh.num_frames = getattr(trainer.model_adapter, "num_frames", None)
-    cond = fresh.encode(PROMPTS, args.max_sequence_length, CPU, args.guidance_scale)
+    cond = fresh.encode(PROMPTS, args.max_sequence_length, CPU, args.guidance_scale, **sources)
     scheduler = make_scheduler(args.sample_scheduler, fresh.pipeline.scheduler)
     latents = fresh.sample(scheduler, cond, args.num_sample_steps, args.resolution, torch.Generator().manual_seed(3),
                            args.guidance_scale)  # fmt: skip
@@ -231,10 +260,13 @@ def test_saved_lora_reproduces_the_trainers_samples_in_the_family_pipeline(name,
     # `marble-trl generate`'s path (the sampling settings from marble_trl.json), and the card's snippet.
     config = json.loads((folder / "marble_trl.json").read_text())
     assert config["pipeline_class"] == trainer.model_adapter.pipeline_class_name and config["base_model"] == name
-    torch.testing.assert_close(generate_images(name, PROMPTS, folder, seed=3), ours, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(generate_images(name, PROMPTS, folder, seed=3, **sources), ours, rtol=1e-4, atol=1e-4)
     exported = tmp_path / "export"
     assert main(["export", "--checkpoint", str(folder), "--output", str(exported)]) == 0
     snippet = re.search(r"```python\n(.*?)```", (exported / "README.md").read_text(), re.S).group(1)
     scope: dict = {}
+    if sources:  # the card's snippet loads the image to edit
+        to_pil(sources["source_images"][:1])[0].save(tmp_path / "source.png")
+        snippet = snippet.replace("path/to/your/image.png", str(tmp_path / "source.png"))
     exec(snippet.replace("path/to/this/folder", str(exported)), scope)
     assert len(scope["video" if video else "image"]) if video else scope["image"].size == (RESOLUTION, RESOLUTION)

@@ -17,6 +17,11 @@ def _generate_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lora", help="A diffusers-format LoRA folder (export output, output_dir, checkpoint-N).")
     p.add_argument("--prompts", nargs="+", required=True, help="One image per prompt.")
+    p.add_argument(
+        "--source_images",
+        nargs="+",
+        help="An editing model's images to edit: one for every prompt, or one per prompt (paths).",
+    )
     p.add_argument("--output", required=True, help="Folder for 000-<prompt>.png ... and prompts.json.")
     p.add_argument("--seed", type=int, default=0, help="Seed of the one generator used for the whole batch.")
     p.add_argument("--steps", type=int, help="Sampler steps (default: the LoRA's marble_trl.json, else 28).")
@@ -47,7 +52,7 @@ def generate_command(argv: list[str]) -> list[Path]:
         a.model, a.prompts, a.output, lora=a.lora, seed=a.seed, num_inference_steps=a.steps,
         guidance_scale=a.guidance_scale, resolution=a.resolution, scheduler=a.scheduler,
         max_sequence_length=a.max_sequence_length, weight_name=a.weight_name, tiny_seed=a.tiny_seed,
-        torch_dtype=dtype, device=a.device, num_frames=a.num_frames,
+        torch_dtype=dtype, device=a.device, num_frames=a.num_frames, source_images=a.source_images,
     )  # fmt: skip
     print(
         f"[marble-trl] wrote {len(paths)} {'videos' if paths and paths[0].suffix != '.png' else 'images'} to {a.output}"

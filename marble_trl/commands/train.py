@@ -177,7 +177,7 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
     grid_rows = grid_row_indices(dataset, script_args.sample_grid_prompts)
     grid_prompts = [dataset[k]["prompt"] for k in grid_rows]
     grid_sources = None  # an editing model edits each grid row's own source image
-    if trainer.source_images is not None:
+    if trainer.source_images is not None and grid_rows:
         grid_sources = trainer.source_images([dataset[k][SOURCE_IMAGES_COLUMN] for k in grid_rows])
     seeds = range(script_args.sample_grid_seeds)
     before = None

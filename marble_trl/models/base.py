@@ -128,6 +128,11 @@ class DiffusersFlowAdapter:
     # conditioning carries what the transformer sees of it (marble_trl.models.editing).
     editing: ClassVar[bool] = False
 
+    @classmethod
+    def edit_call_kwargs(cls, resolution: int) -> dict[str, Any]:
+        """An editing family's extra ``__call__`` arguments (model cards); none for text-to-image families."""
+        return {}
+
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
         quiet_repeats(type(pipeline).__module__)

@@ -18,6 +18,11 @@ class EditingAdapter:
     # size); an offline tiny pipeline sets a smaller `source_resolution` attribute
     pipeline_source_resolution: ClassVar[int] = 1024
 
+    @classmethod
+    def edit_call_kwargs(cls, resolution: int) -> dict[str, Any]:
+        """The family pipeline's ``__call__`` arguments that make it edit as the adapter samples (model cards)."""
+        return {}
+
     @property
     def source_resolution(self) -> int:
         """The side of the square source images the model is conditioned on (the data loader resizes to it)."""

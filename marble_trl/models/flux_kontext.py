@@ -51,6 +51,11 @@ class FluxKontextAdapter(EditingAdapter, FluxAdapter):
         pipe.source_resolution = TINY_SOURCE_RESOLUTION
         return pipe
 
+    @classmethod
+    def edit_call_kwargs(cls, resolution: int) -> dict:
+        # the output at height x width (the pipeline rescales them to max_area otherwise), the source at its size
+        return {"max_area": resolution * resolution, "_auto_resize": False}
+
     def encode(self, prompts, max_sequence_length, device, guidance_scale=1.0, source_images=None):
         source_images = self.check_sources(prompts, source_images)
         text = self._encode_text(prompts, max_sequence_length, device, guidance_scale)

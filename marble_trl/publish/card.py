@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..models.tiny import is_tiny
+from ..models.tiny import TINY_SOURCE_RESOLUTION, is_tiny
 
 CARD_TAGS = ["diffusers", "lora", "text-to-image", "trl", "marble", "diffusion-nft"]
 
@@ -228,6 +228,15 @@ def _usage_snippet(info: CardInfo) -> str:
                        for k, v in family.call_kwargs(float(settings["guidance_scale"] or 1.0)).items())  # fmt: skip
     frames = f", num_frames={settings['num_frames']}" if family.video and settings.get("num_frames") else ""
     call = f'image = pipe("a photo of a cat", num_inference_steps={steps}{guidance}{size}{frames}).images[0]'
+    if family.editing:  # the image to edit, at the size the model was trained to condition on
+        side = TINY_SOURCE_RESOLUTION if is_tiny(base) else family.pipeline_source_resolution
+        extra = "".join(f", {k}={v!r}" for k, v in family.edit_call_kwargs(res).items()) if res else ""
+        call = (
+            "from diffusers.utils import load_image\n\n"
+            f'source = load_image("path/to/your/image.png").resize(({side}, {side}))  # the image to edit\n'
+            f'image = pipe(image=source, prompt="make the cat blue", num_inference_steps={steps}{guidance}{size}'
+            f"{extra}).images[0]"
+        )
     if is_tiny(base):
         load = (
             "from marble_trl.models import load_model\n\n"

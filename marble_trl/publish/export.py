@@ -106,12 +106,15 @@ def generate_images(
     device: str | None = None,
     negative_prompt: str | None = None,
     num_frames: int | None = None,
+    source_images: Any = None,
 ) -> torch.Tensor:
     """Images ``[N, 3, H, W]`` in ``[0, 1]``: ``model`` (``"tiny"``, a folder or a Hub id) plus the diffusers LoRA in
     ``lora`` (``load_lora_weights``). Unset settings come from the LoRA folder's ``marble_trl.json`` (the training
     sampler), else the pipeline's defaults; one generator seeded with ``seed`` for the whole batch. ``tiny_seed``
-    (model ``"tiny"``) defaults to the seed the LoRA folder records, else 0."""
+    (model ``"tiny"``) defaults to the seed the LoRA folder records, else 0. An editing model edits ``source_images``
+    (paths, PIL images or a ``[N, 3, H, W]`` tensor in ``[0, 1]``: one per prompt, or one for every prompt)."""
     from ..models import load_model
+    from ..models.editing import source_kwargs
     from ..rollout.solvers import make_scheduler
 
     settings = read_sampling_settings(lora)
@@ -145,15 +148,38 @@ def generate_images(
         adapter.num_frames = num_frames or settings["num_frames"]
     # Through the family adapter, as the trainer samples: the same conditioning, guidance convention and sampler.
     resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
-    cond = adapter.encode(list(prompts), max_len, torch.device(device), guidance)
+    sources = source_kwargs(adapter, edit_sources(adapter, source_images, len(prompts)))
+    cond = adapter.encode(list(prompts), max_len, torch.device(device), guidance, **sources)
     negative = None
     if adapter.needs_negative(guidance):
-        negative = adapter.encode([negative_prompt] * len(prompts), max_len, torch.device(device))
+        negative = adapter.encode([negative_prompt] * len(prompts), max_len, torch.device(device), **sources)
     latents = adapter.sample(
         make_scheduler(scheduler, pipe.scheduler), cond, steps, resolution, torch.Generator().manual_seed(seed),
         guidance, negative,
     )  # fmt: skip
     return adapter.decode(latents).float()
+
+
+def edit_sources(adapter, source_images: Any, count: int) -> torch.Tensor | None:
+    """An editing model's source pixels for ``count`` prompts (one image repeated for all, or one each); ``None``
+    for a text-to-image model, which refuses them."""
+    from ..data.source_images import SourceImageLoader
+
+    if not adapter.editing:
+        if source_images is not None:
+            raise ValueError("source_images are for editing models; this one generates from text alone.")
+        return None
+    if source_images is None:
+        raise ValueError(
+            f"{type(adapter.pipeline).__name__} edits images: give the image(s) to edit (--source_images / "
+            "source_images=), one for every prompt or one per prompt."
+        )
+    values = list(source_images) if not isinstance(source_images, (str, Path)) else [source_images]
+    if len(values) == 1:
+        values = values * count
+    if len(values) != count:
+        raise ValueError(f"{len(values)} source images for {count} prompts: give one, or one per prompt.")
+    return SourceImageLoader(adapter.source_resolution)(values)
 
 
 def read_sampling_settings(lora: str | os.PathLike | None) -> dict[str, Any]:
