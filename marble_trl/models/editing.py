@@ -17,6 +17,8 @@ class EditingAdapter:
     # the pipeline's own conditioning size for a square source (it conditions on about 1024 x 1024 whatever the output
     # size); an offline tiny pipeline sets a smaller `source_resolution` attribute
     pipeline_source_resolution: ClassVar[int] = 1024
+    # whether a prompt's conditioning depends on its image (Qwen-Image-Edit's VL encoder sees it): no prompt cache
+    prompt_sees_image: ClassVar[bool] = False
 
     @classmethod
     def edit_call_kwargs(cls, resolution: int) -> dict[str, Any]:

@@ -67,6 +67,9 @@ class FluxKontextAdapter(EditingAdapter, FluxAdapter):
         vae = self.pipeline.vae
         unique, rows = unique_images(images)
         pixels = unique.to(device=device, dtype=vae.dtype) * 2 - 1  # VaeImageProcessor.normalize
+        # in the memory layout of the pipeline's PIL -> numpy -> tensor preprocessing (channels last): the VAE's
+        # convolutions round differently in the other layout (1 ulp), and a LoRA should draw in diffusers what it drew here
+        pixels = pixels.contiguous(memory_format=torch.channels_last)
         latents = vae.encode(pixels).latent_dist.mode()
         latents = (latents - vae.config.shift_factor) * vae.config.scaling_factor
         return latents[torch.tensor(rows, device=latents.device)]

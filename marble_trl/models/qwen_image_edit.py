@@ -64,6 +64,7 @@ class QwenImageEditAdapter(EditingAdapter, QwenImageAdapter):
     hub_ids = ("Qwen/Qwen-Image-Edit", "Qwen/Qwen-Image-Edit-2509")
     editing = True
     pipeline_source_resolution = condition_size(PIPELINE_CONDITION_AREA)[0]
+    prompt_sees_image = True
 
     @classmethod
     def build_tiny(cls, seed: int = 0):

@@ -221,6 +221,12 @@ def source_image_loader(adapter, args, train_dataset, eval_dataset) -> SourceIma
                     "drop the column."
                 )
         return None
+    if args.cache_prompt_embeddings and adapter.prompt_sees_image:
+        raise ValueError(
+            f"cache_prompt_embeddings: {type(adapter.pipeline).__name__}'s prompt conditioning depends on the source "
+            "image (its VL encoder sees it), so prompts cannot be cached alone; set cache_prompt_embeddings=False "
+            "(offload_text_encoders still frees the accelerator between encodings)."
+        )
     for name, dataset in datasets:
         check_source_images(dataset, name)
     return SourceImageLoader(adapter.source_resolution)

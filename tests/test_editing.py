@@ -1,0 +1,271 @@
+"""Image editing: the source-image data contract, the two editing families against their diffusers pipelines, the
+rewards' ``source_images=``, the editing rewards and ShapesBench's editing world.
+
+The families' shared properties (the rollout equals an Euler loop on the trainer's velocity, per-reward gradients,
+Prop. 1, the CLI, the LoRA reloaded in the family pipeline) run in tests/test_families.py like every family's.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_rewards_builtin import save_tiny_clip
+from test_serve_reward import serving
+from tiny import tiny_args
+
+from marble_trl import MarbleDiffusionNFTTrainer
+from marble_trl.data.source_images import SourceImageLoader, check_source_images
+from marble_trl.data.sources import load_source
+from marble_trl.models import load_model
+from marble_trl.models.flux import pack
+from marble_trl.rewards import get_reward
+from marble_trl.rewards.editing import preservation, ssim_map
+from marble_trl.rewards.images import to_pil
+from marble_trl.rollout.solvers import make_scheduler
+from marble_trl.shapesbench import edits
+from marble_trl.shapesbench.world import to_tensor
+
+CPU = torch.device("cpu")
+RESOLUTION = 16
+
+
+def _png(seed: int, size: int = 40) -> bytes:
+    pixels = (np.random.RandomState(seed).rand(size, size, 3) * 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _pixels(data: bytes, side: int) -> torch.Tensor:
+    image = Image.open(io.BytesIO(data)).convert("RGB").resize((side, side), Image.LANCZOS)
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 255
+
+
+# ------------------------------------------------------------------------------------------------------ data
+def test_source_images_from_paths_bytes_pil_and_a_hub_image_column(tmp_path):
+    """Every accepted form gives the same pixels (resized with Lanczos as the pipelines' image processor does);
+    relative paths are relative to the data file; repeated images come from the cache."""
+    from datasets import Dataset
+    from datasets import Image as ImageFeature
+
+    data = _png(0)
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(data)
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "make it red", "source_images": "img/a.png"}) + "\n")
+    from_file = load_source(str(tmp_path / "rows.jsonl"))  # the path is made absolute against the file's folder
+    check_source_images(from_file)
+    loader = SourceImageLoader(32)
+    expected = _pixels(data, 32)
+    hub = Dataset.from_dict({"prompt": ["x"], "source_images": [{"bytes": data, "path": None}]})
+    hub = hub.cast_column("source_images", ImageFeature())  # a Hub image column, decoded to PIL by datasets
+    for value in (from_file[0]["source_images"], data, [data], Image.open(io.BytesIO(data)), hub[0]["source_images"]):
+        torch.testing.assert_close(loader([value])[0], expected, rtol=0, atol=0)
+    first = loader.pixels(data)
+    assert loader.pixels(data) is first  # LRU cache
+    check_source_images(hub)
+
+
+def test_bad_source_images_name_the_row(tmp_path):
+    from datasets import Dataset
+
+    good = _png(1)
+    (tmp_path / "good.png").write_bytes(good)
+    cases = {  # (the good row, the bad row) of one column type
+        "row 1's 'source_images' is not a readable image .FileNotFoundError: no image file": (str(tmp_path / "good.png"),
+                                                                           str(tmp_path / "missing.png")),
+        "row 1's 'source_images' is not a readable image .UnidentifiedImageError": (good, b"not an image"),
+        "row 1 holds 2 source images": ([good], [good, good]),
+    }  # fmt: skip
+    for message, rows in cases.items():
+        dataset = Dataset.from_dict({"prompt": ["a", "b"], "source_images": list(rows)})
+        with pytest.raises(ValueError, match=message):
+            check_source_images(dataset)
+    with pytest.raises(ValueError, match="has no 'source_images' column"):
+        check_source_images(Dataset.from_dict({"prompt": ["a"]}))
+
+
+def test_the_trainer_refuses_a_mismatch_of_model_and_data(tmp_path):
+    from datasets import Dataset
+
+    args = tiny_args(tmp_path, max_steps=1)
+    edit_rows = Dataset.from_dict({"prompt": ["make it red"] * 2, "source_images": [_png(2)] * 2})
+    with pytest.raises(ValueError, match="'source_images' column, but StableDiffusion3Pipeline generates from text"):
+        MarbleDiffusionNFTTrainer("tiny", ["brightness"], args=args, train_dataset=edit_rows)
+    with pytest.raises(ValueError, match="has no 'source_images' column.*edits images"):
+        MarbleDiffusionNFTTrainer(
+            "tiny-flux-kontext", ["brightness"], args=args, train_dataset=Dataset.from_dict({"prompt": ["a"] * 2})
+        )
+    cached = tiny_args(tmp_path, max_steps=1, cache_prompt_embeddings=True)
+    with pytest.raises(
+        ValueError, match="cache_prompt_embeddings: QwenImageEditPipeline's prompt conditioning depends"
+    ):
+        MarbleDiffusionNFTTrainer("tiny-qwen-image-edit", ["brightness"], args=cached, train_dataset=edit_rows)
+
+
+# ------------------------------------------------------------------------------------------------ the families
+def test_kontext_samples_as_the_pipeline_edits_a_pil_image():
+    """FluxKontextPipeline's own __call__ on the PIL source (its preprocessing, VAE encode and packing) draws the
+    adapter's rollout bit for bit, with the card's editing arguments."""
+    adapter = load_model("tiny-flux-kontext")
+    adapter.pipeline.set_progress_bar_config(disable=True)
+    data = _png(3, size=adapter.source_resolution)
+    sources = torch.stack([_pixels(data, adapter.source_resolution)] * 2)
+    cond = adapter.encode(["make it red", "make it red"], 16, CPU, 3.5, source_images=sources)
+    scheduler = make_scheduler("euler", adapter.pipeline.scheduler)
+    ours = adapter.sample(scheduler, cond, 3, RESOLUTION, torch.Generator().manual_seed(4), 3.5)
+    theirs = adapter.pipeline(
+        image=Image.open(io.BytesIO(data)).convert("RGB"), prompt="make it red", num_images_per_prompt=2,
+        num_inference_steps=3, guidance_scale=3.5, height=RESOLUTION, width=RESOLUTION, max_sequence_length=16,
+        generator=torch.Generator().manual_seed(4), output_type="latent",
+        **adapter.edit_call_kwargs(RESOLUTION),
+    ).images  # fmt: skip
+    torch.testing.assert_close(pack(ours), theirs, rtol=0, atol=0)
+    other = adapter.encode(["make it red"] * 2, 16, CPU, 3.5, source_images=torch.rand_like(sources))
+    assert (
+        adapter.sample(scheduler, other, 3, RESOLUTION, torch.Generator().manual_seed(4), 3.5) - ours
+    ).abs().max() > 1e-3
+
+
+def test_qwen_image_edit_prompts_see_their_image_and_rows_dedupe():
+    """Each distinct (prompt, image) pair is encoded once, and a row equals the pipeline's encode_prompt of that
+    prompt with that image alone (the VL encoder's vision tokens); a different image changes the prompt's rows."""
+    adapter = load_model("tiny-qwen-image-edit")
+    side = adapter.source_resolution
+    a, b = torch.rand(2, 3, side, side, generator=torch.Generator().manual_seed(0))
+    cond = adapter.encode(
+        ["make it red", "make it red", "make it blue"], 64, CPU, source_images=torch.stack([a, a, b])
+    )
+    for i, (prompt, image) in enumerate([("make it red", a), ("make it red", a), ("make it blue", b)]):
+        embeds, _ = adapter.pipeline.encode_prompt(prompt=[prompt], image=to_pil(image[None]), device=CPU)
+        row = cond.row(i)
+        torch.testing.assert_close(row.prompt_embeds, embeds, rtol=1e-5, atol=1e-6)
+    swapped = adapter.encode(["make it red"], 64, CPU, source_images=b[None])
+    assert (swapped.prompt_embeds - cond.row(0).prompt_embeds).abs().max() > 1e-4
+    assert (swapped.image_latents - cond.image_latents[:1]).abs().max() > 1e-4
+
+
+@pytest.mark.heavy
+def test_qwen_image_edit_samples_as_the_pipeline_at_its_own_conditioning_size():
+    """QwenImageEditPipeline.__call__ conditions on the source at about one megapixel whatever the output size; the
+    adapter's own loop, conditioned the same way (source_resolution 1024), draws its latents bit for bit, true CFG
+    included (about 30 s: the tiny VAE encodes a 1024 x 1024 source twice)."""
+    adapter = load_model("tiny-qwen-image-edit")
+    adapter.pipeline.set_progress_bar_config(disable=True)
+    adapter.pipeline.source_resolution = 1024
+    data = _png(5, size=1024)
+    source = _pixels(data, 1024)[None]
+    cond = adapter.encode(["make it red"], 64, CPU, 2.0, source_images=source)
+    negative = adapter.encode([" "], 64, CPU, source_images=source)
+    ours = adapter.sample(make_scheduler("euler", adapter.pipeline.scheduler), cond, 2, RESOLUTION,
+                          torch.Generator().manual_seed(0), 2.0, negative)  # fmt: skip
+    theirs = adapter.pipeline(
+        image=Image.open(io.BytesIO(data)).convert("RGB"), prompt="make it red", negative_prompt=" ",
+        true_cfg_scale=2.0, height=RESOLUTION, width=RESOLUTION, num_inference_steps=2, max_sequence_length=64,
+        generator=torch.Generator().manual_seed(0), output_type="latent",
+    ).images  # fmt: skip
+    torch.testing.assert_close(pack(ours), theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["tiny-flux-kontext", "tiny-qwen-image-edit"])
+def test_rewards_and_evaluation_receive_the_source_beside_each_edit(name, tmp_path):
+    """Training and evaluation hand every reward the row's source image at the edits' size, in the rows' order."""
+    dataset = load_source("shapes_edit").select(range(8))
+    seen: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
+
+    def recorder(prompts, images, source_images, **_):
+        seen.append((list(prompts), images.clone(), source_images.clone()))
+        return [0.0] * len(prompts)
+
+    args = tiny_args(tmp_path, max_steps=1, resolution=RESOLUTION, eval_strategy="no")
+    trainer = MarbleDiffusionNFTTrainer(name, [recorder, "brightness"], args=args, train_dataset=dataset,
+                                        eval_dataset=dataset.select(range(2)))  # fmt: skip
+    trainer.train()
+    trainer.evaluate()
+    by_prompt = {row["prompt"]: row["source_images"] for row in dataset}
+    loader = SourceImageLoader(RESOLUTION)
+    assert len(seen) == 2
+    for prompts, images, sources in seen:
+        assert sources.shape == images.shape
+        expected = loader([by_prompt[p] for p in prompts])
+        # the model's source resolution (32) resized to the edits' 16 px: the loader's Lanczos at 16 px, near
+        assert (sources - expected).abs().mean() < 0.05
+
+
+# ---------------------------------------------------------------------------------------------------- rewards
+def test_preservation_is_ssim_outside_the_edit_mask():
+    g = torch.Generator().manual_seed(0)
+    source = torch.rand(2, 3, 16, 16, generator=g)
+    edited = source.clone()
+    edited[:, :, :8, :8] = torch.rand(2, 3, 8, 8, generator=g)  # the top-left quadrant edited
+    mask = np.zeros((16, 16), dtype=np.float32)
+    mask[:11, :11] = 1  # the edit mask covers the edit and the 7 x 7 SSIM windows reaching into it
+    assert preservation(["a", "b"], source, source_images=source) == pytest.approx([1.0, 1.0])
+    unmasked = preservation(["a", "b"], edited, source_images=source)
+    masked = preservation(["a", "b"], edited, source_images=source, edit_masks=[mask, mask.tolist()])
+    assert max(unmasked) < 0.9 and masked == pytest.approx([1.0, 1.0], abs=1e-5)
+    assert ssim_map(source, 1 - source).mean() < 0.2
+    with pytest.raises(ValueError, match="'preservation' scores edits against their source images"):
+        preservation(["a"], source[:1])
+
+
+def test_clip_directional_scores_the_image_change_against_the_text_change(tmp_path):
+    path = save_tiny_clip(tmp_path / "clip")
+    reward = get_reward("clip_directional", model_name_or_path=str(path), batch_size=2)
+    g = torch.Generator().manual_seed(1)
+    source, edit = torch.rand(3, 3, 32, 32, generator=g), torch.rand(3, 3, 32, 32, generator=g)
+    prompts = ["make the cat red", "add a hat", "remove the dog"]
+    scores = reward(prompts, edit, source_images=source)
+    reward.load()
+    with torch.no_grad():
+        change = torch.nn.functional.normalize(reward._image(edit) - reward._image(source), dim=-1)
+        expected = (change * reward._text(prompts)).sum(-1)
+    assert scores == pytest.approx(expected.tolist(), abs=1e-5) and all(-1 <= s <= 1 for s in scores)
+    captions = {"source_captions": ["a cat"] * 3, "target_captions": ["a red cat", "a cat in a hat", "a cat"]}
+    with_captions = reward(prompts, edit, source_images=source, **captions)
+    assert with_captions != pytest.approx(scores)
+    one_by_one = [reward([p], edit[i : i + 1], source_images=source[i : i + 1])[0] for i, p in enumerate(prompts)]
+    assert one_by_one == pytest.approx(scores, abs=1e-5)
+    with pytest.raises(ValueError, match="give both source_captions and target_captions"):
+        reward(prompts, edit, source_images=source, source_captions=["a"] * 3)
+
+
+def test_http_reward_sends_the_source_images_to_the_judge():
+    """A VLM judge behind http_reward receives the sources as images (lossless PNG), as the reward would in process."""
+
+    def difference(prompts, images, source_images=None, **_):
+        return (images - source_images).abs().mean(dim=(1, 2, 3)).tolist()
+
+    g = torch.Generator().manual_seed(2)
+    images = (torch.rand(3, 3, 16, 16, generator=g) * 255).round() / 255
+    sources = (torch.rand(3, 3, 16, 16, generator=g) * 255).round() / 255
+    with serving(difference) as server:
+        client = get_reward("http_reward", url=server.url, retries=0, batch_size=2)
+        remote = client(["a", "b", "c"], images, source_images=sources, tag=["x", "y", "z"])
+    assert remote == pytest.approx(difference(None, images, sources), abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ ShapesBench edits
+def test_shapes_edit_scorers_reward_the_edit_and_the_untouched_rest():
+    examples = edits.sample_edits(32, seed=7)
+    source = to_tensor(np.stack([edits.draw(e.source) for e in examples]))
+    target = to_tensor(np.stack([edits.draw(e.target) for e in examples]))
+    rows = [e.row() for e in examples]
+    columns = {k: [r[k] for r in rows] for k in edits.EDIT_COLUMNS}
+    prompts = [e.prompt for e in examples]
+    assert {e.kind for e in examples} == set(edits.KINDS)
+    done = edits.instruction(prompts, target, **columns)
+    assert min(done) > 0.9 and max(edits.instruction(prompts, source, **columns)) < 0.05
+    assert min(edits.preservation(prompts, target, source_images=source, **columns)) == pytest.approx(1.0)
+    noise = torch.rand_like(source, generator=torch.Generator().manual_seed(0))
+    assert max(edits.preservation(prompts, noise, source_images=source, **columns)) < 0.01
+    # the loaded rows' PNG sources are the drawn scenes
+    dataset = edits.edit_dataset(8, seed=7)
+    loaded = SourceImageLoader(32)(dataset["source_images"])
+    torch.testing.assert_close(loaded, source[:8], rtol=0, atol=0)
+    assert math.isclose(len(edits.edit_dataset()), edits.TRAIN_ROWS)
