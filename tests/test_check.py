@@ -53,12 +53,23 @@ def _user_files(recipe: Path, folder: Path) -> None:
     paths = [raw.get("dataset_name", "")] + [
         s.get("path", "") if isinstance(s, dict) else str(s).split("=")[0] for s in raw.get("dataset_mixture") or []
     ]
+    from marble_trl.models import family_of
+
+    editing = family_of(raw["model_name_or_path"]).editing
     for path in paths:
         if path.startswith("data/"):
             file = folder / path
             file.parent.mkdir(parents=True, exist_ok=True)
-            rows = ["a cat walking on a beach at sunset", 'a neon sign that says "OPEN"', "a red car"]
-            file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in rows))
+            rows = [
+                {"prompt": p}
+                for p in ("a cat walking on a beach at sunset", 'a neon sign that says "OPEN"', "a red car")
+            ]
+            if editing:  # an editing recipe's rows: each instruction with its image (relative to the file)
+                from PIL import Image
+
+                Image.new("RGB", (64, 64), "gray").save(file.parent / "source.png")
+                rows = [{**row, "source_images": "source.png"} for row in rows]
+            file.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 @pytest.fixture(scope="module")

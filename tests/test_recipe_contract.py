@@ -105,6 +105,7 @@ STANDINS = {
     "unifiedreward": _everywhere,
     "ocr": lambda prompt, row: quoted_text(prompt) is not None,
     "geneval": lambda prompt, row: row.get("include") is not None,
+    "clip_directional": _everywhere,
 }
 
 # Offline prompts with the columns the recipes' rewards read: plain, quoted text (OCR), GenEval metadata.
@@ -133,7 +134,10 @@ def _overrides(recipe: dict, tmp_path: Path) -> dict:
         out.update({k: v for k, v in SWAPPED_MODEL.items() if k != "num_frames" or "num_frames" in recipe})
     if "dataset_name" in recipe and _users_file(recipe["dataset_name"]):
         prompts = tmp_path / "prompts.jsonl"
-        prompts.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+        rows = PROMPTS
+        if family_of(model).editing:  # an editing recipe's rows: each instruction with its image and edit mask
+            rows = [{**row, **_edit_files(tmp_path, i)} for i, row in enumerate(PROMPTS)]
+        prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
         out["dataset_name"] = str(prompts)
     mixture = recipe.get("dataset_mixture") or []
     if any(_users_file(source["path"]) for source in mixture if isinstance(source, dict)):
@@ -146,6 +150,20 @@ def _overrides(recipe: dict, tmp_path: Path) -> dict:
     # Two steps where one step would not show the recipe's schedule (the old policy held for N steps).
     out["max_steps"] = 2 if recipe.get("old_policy_update_interval", 1) > 1 else 1
     return out
+
+
+def _edit_files(folder: Path, i: int) -> dict[str, str]:
+    """Row ``i``'s source image and edit mask, written under ``folder`` (paths relative to the data file)."""
+    import numpy as np
+    from PIL import Image
+
+    (folder / "images").mkdir(exist_ok=True)
+    pixels = (np.random.RandomState(i).rand(40, 40, 3) * 255).astype(np.uint8)
+    Image.fromarray(pixels).save(folder / "images" / f"{i}.png")
+    mask = np.zeros((40, 40), dtype=np.uint8)
+    mask[:20, :20] = 255
+    Image.fromarray(mask).save(folder / "images" / f"{i}-mask.png")
+    return {"source_images": f"images/{i}.png", "edit_masks": f"images/{i}-mask.png"}
 
 
 def _flags(overrides: dict) -> list[str]:

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 SOURCE_IMAGES_COLUMN = "source_images"
+EDIT_MASKS_COLUMN = "edit_masks"  # the preservation reward's masks (marble_trl.rewards.editing): paths resolved too
+IMAGE_COLUMNS = (SOURCE_IMAGES_COLUMN, EDIT_MASKS_COLUMN)
 
 
 def _one(value: Any, row: int | None, where: str) -> Any:
@@ -113,9 +115,8 @@ def _undecoded(dataset):
 
 
 def resolve_image_paths(dataset, base_dir: str | Path):
-    """A data file's relative ``source_images`` paths made relative to the file's folder (absolute ones unchanged)."""
-    if SOURCE_IMAGES_COLUMN not in dataset.column_names:
-        return dataset
+    """A data file's relative image paths (``source_images``, ``edit_masks``) made relative to the file's folder
+    (absolute ones unchanged)."""
 
     def absolute(value):
         if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
@@ -124,10 +125,10 @@ def resolve_image_paths(dataset, base_dir: str | Path):
             return [absolute(v) for v in value]
         return value
 
-    column = dataset[SOURCE_IMAGES_COLUMN]
-    if not any(isinstance(v, (str, list)) for v in column):
-        return dataset
-    return dataset.map(lambda row: {SOURCE_IMAGES_COLUMN: absolute(row[SOURCE_IMAGES_COLUMN])})
+    for name in IMAGE_COLUMNS:
+        if name in dataset.column_names and any(isinstance(v, (str, list)) for v in dataset[name]):
+            dataset = dataset.map(lambda row, name=name: {name: absolute(row[name])})
+    return dataset
 
 
 def to_pixels(image, resolution: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from .loading import local_folder, pipeline_class_name
 from .qwen_image import QwenImageAdapter
 from .qwen_image_edit import QwenImageEditAdapter
 from .sd3 import SD3Adapter
-from .tiny import SHAPES_MODEL_NAME
+from .tiny import SHAPES_EDIT_MODEL_NAME, SHAPES_MODEL_NAME
 from .wan import WanAdapter
 from .z_image import ZImageAdapter
 
@@ -145,6 +145,8 @@ def family_of(name_or_path: str | os.PathLike) -> type:
             return family
     if name == SHAPES_MODEL_NAME:
         return SD3Adapter
+    if name == SHAPES_EDIT_MODEL_NAME:
+        return FluxKontextAdapter
     if local_folder(name) is None:
         for family in FAMILIES:
             if name in family.hub_ids:  # a published repo: no model_index.json download needed

@@ -27,7 +27,7 @@ import torch
 
 from .editing import EditingAdapter, unique_images
 from .flux import FluxAdapter, FluxConditioning, build_tiny_flux_pipeline, image_ids, pack, unpack
-from .tiny import TINY_FLUX_KONTEXT_NAME, TINY_SOURCE_RESOLUTION
+from .tiny import SHAPES_EDIT_MODEL_NAME, TINY_FLUX_KONTEXT_NAME, TINY_SOURCE_RESOLUTION, shapes_edit_model_path
 
 
 @dataclass
@@ -38,7 +38,7 @@ class FluxKontextConditioning(FluxConditioning):
 class FluxKontextAdapter(EditingAdapter, FluxAdapter):
     """FLUX.1 Kontext [dev] behind :class:`~marble_trl.models.family.FlowModelAdapter` (an editing family)."""
 
-    family = "flux_kontext"
+    family = "flux-kontext"
     pipeline_class_name = "FluxKontextPipeline"
     tiny_name = TINY_FLUX_KONTEXT_NAME
     hub_ids = ("black-forest-labs/FLUX.1-Kontext-dev",)
@@ -50,6 +50,15 @@ class FluxKontextAdapter(EditingAdapter, FluxAdapter):
         pipe = build_tiny_flux_pipeline(seed, pipeline_cls=FluxKontextPipeline, name=TINY_FLUX_KONTEXT_NAME)
         pipe.source_resolution = TINY_SOURCE_RESOLUTION
         return pipe
+
+    @classmethod
+    def load(cls, name_or_path, torch_dtype=None, tiny_seed: int = 0):
+        if str(name_or_path) != SHAPES_EDIT_MODEL_NAME:
+            return super().load(name_or_path, torch_dtype, tiny_seed)
+        adapter = super().load(shapes_edit_model_path(), torch_dtype, tiny_seed)
+        adapter.pipeline.register_to_config(_name_or_path=SHAPES_EDIT_MODEL_NAME)  # cards name it like a Hub id
+        adapter.pipeline.source_resolution = TINY_SOURCE_RESOLUTION  # the world's 32 x 32 scenes
+        return adapter
 
     @classmethod
     def edit_call_kwargs(cls, resolution: int) -> dict:

@@ -43,11 +43,25 @@ TINY_MODEL_NAMES = (
 # The ShapesBench base model shipped inside the package (marble_trl/shapesbench/weights/shapes): a tiny SD3.5-
 # architecture pipeline pretrained on the ShapesBench world, the README's main job (docs/shapesbench.md).
 SHAPES_MODEL_NAME = "shapes"
+# Its editing sibling (marble_trl/shapesbench/weights/shapes-edit): a tiny FLUX.1 Kontext pipeline pretrained on the
+# ShapesBench editing world (marble_trl.shapesbench.edit_pretrain), conditioned on 32 x 32 sources.
+SHAPES_EDIT_MODEL_NAME = "shapes-edit"
 
 
 def is_tiny(name: str | None) -> bool:
     """Whether ``name`` is one of the offline tiny models (rebuilt from a seed, never on the Hub)."""
     return name in TINY_MODEL_NAMES
+
+
+def shapes_edit_model_path() -> Path:
+    """The folder of the shipped ``shapes-edit`` model (a ``save_pretrained`` folder)."""
+    folder = SHIPPED_WEIGHTS / SHAPES_EDIT_MODEL_NAME
+    if not (folder / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"The shipped 'shapes-edit' model is missing from {folder}: reinstall marble_trl, or rebuild it with "
+            "`python -m marble_trl.shapesbench.edit_bench ship`."
+        )
+    return folder
 
 
 def shapes_model_path() -> Path:

@@ -146,6 +146,7 @@ REWARD_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "pickscore": clip_vit_h14,  # yuvalkirstain/PickScore_v1
     "hpsv2": clip_vit_h14,  # HPSv2.1, open_clip ViT-H-14 run as a transformers CLIPModel
     "clipscore": clip_vit_l14,  # openai/clip-vit-large-patch14
+    "clip_directional": clip_vit_l14,  # the same CLIP (an editing reward)
     "aesthetic": clip_vit_l14,  # the same CLIP, plus a 0.9 M parameter MLP (not counted)
     "geneval": geneval_models,  # its default detector and CLIP (detector_name_or_path, clip_name_or_path)
 }
@@ -175,6 +176,12 @@ class Architecture:
         """Tokens of one sample in the transformer's sequence (what activations scale with): image tokens (16 pixels
         per token side: the VAE's 8 times the 2x2 patch) plus the text tokens that join the sequence."""
         image = (resolution // 16) ** 2
+        source = (1024 // 16) ** 2  # an editing family's source tokens: both pipelines condition on ~1024 x 1024
+        vision = (1024 // 28) ** 2  # Qwen-Image-Edit's prompt holds the source's vision tokens (14 px x 2x2 merge)
+        if self.family == "flux-kontext":
+            return image + source + max_sequence_length
+        if self.family == "qwen-image-edit":
+            return image + source + vision + min(max_sequence_length, 128)
         if self.family == "wan":  # the text enters by cross-attention; 4 frames per latent frame after the first
             frames = num_frames if num_frames is not None else 81
             return image * ((frames - 1) // 4 + 1)
@@ -239,6 +246,18 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     Architecture(
         "Qwen-Image", "qwen-image", ("Qwen/Qwen-Image",), _diffusers_default("QwenImageTransformer2DModel"),
         {"num_layers": 60}, 3072, {"qwen2.5_vl_7b": qwen25_vl_7b}, _qwen_image_vae, "Qwen-Image",
+    ),
+    Architecture(
+        "FLUX.1-Kontext-dev", "flux-kontext", ("black-forest-labs/FLUX.1-Kontext-dev",), _flux(True),
+        {"num_layers": 19, "num_single_layers": 38}, 3072, {"clip_l": clip_l, "t5_xxl": t5_xxl}, flux_vae,
+        "FLUX.1-dev", ("activations: FLUX.1-dev's per-token measurement, over the target's and the source's tokens",),
+    ),
+    Architecture(
+        "Qwen-Image-Edit", "qwen-image-edit", ("Qwen/Qwen-Image-Edit", "Qwen/Qwen-Image-Edit-2509"),
+        _diffusers_default("QwenImageTransformer2DModel"), {"num_layers": 60}, 3072, {"qwen2.5_vl_7b": qwen25_vl_7b},
+        _qwen_image_vae, "Qwen-Image",
+        ("activations: Qwen-Image's per-token measurement, over the target's, the source's and the prompt's vision "
+         "tokens",),
     ),
     Architecture(
         "Wan2.1-T2V-14B", "wan", ("Wan-AI/Wan2.1-T2V-14B-Diffusers",), _diffusers_default("WanTransformer3DModel"),

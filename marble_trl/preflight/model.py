@@ -34,9 +34,11 @@ FAMILY_SCHEDULERS = {
     "qwen-image": "FlowMatchEulerDiscreteScheduler",
     "z-image": "FlowMatchEulerDiscreteScheduler",
     "wan": "UniPCMultistepScheduler",
+    "flux-kontext": "FlowMatchEulerDiscreteScheduler",
+    "qwen-image-edit": "FlowMatchEulerDiscreteScheduler",
 }
 # The longest max_sequence_length each family's diffusers pipeline accepts (its check_inputs raises beyond it).
-TOKEN_LIMITS = {"sd3": 512, "flux": 512, "qwen-image": 1024}
+TOKEN_LIMITS = {"sd3": 512, "flux": 512, "qwen-image": 1024, "flux-kontext": 512, "qwen-image-edit": 1024}
 TEXT_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
@@ -64,10 +66,10 @@ def resolve_model(name: str, report: Report, tiny_seed: int = 0) -> ModelInfo | 
     cannot be known offline."""
     from ..models import FAMILIES, family_of
     from ..models.loading import local_folder
-    from ..models.tiny import SHAPES_MODEL_NAME
+    from ..models.tiny import SHAPES_EDIT_MODEL_NAME, SHAPES_MODEL_NAME
 
     name = str(name)
-    tiny = {f.tiny_name for f in FAMILIES} | {SHAPES_MODEL_NAME}
+    tiny = {f.tiny_name for f in FAMILIES} | {SHAPES_MODEL_NAME, SHAPES_EDIT_MODEL_NAME}
     if name in tiny:
         return _tiny(name, family_of(name), tiny_seed)
     try:
@@ -200,7 +202,9 @@ def _folder(name: str, folder: Path, family: type, kind: str, report: Report) ->
         )
     patch = getattr(transformer.config, "patch_size", 2) or 2
     patch = patch[-1] if isinstance(patch, (tuple, list)) else patch
-    factor = scale * (2 if family.family in ("flux", "qwen-image", "z-image") else patch)
+    factor = scale * (
+        2 if family.family in ("flux", "qwen-image", "z-image", "flux-kontext", "qwen-image-edit") else patch
+    )
     scheduler = (index.get("scheduler") or [None, None])[1]
     arch = _matching_architecture(transformer, family.family)
     config = dict(transformer.config)

@@ -48,6 +48,8 @@ def run_checks(parsed, strategy: Strategy, gpu_memory: str | None, measure: bool
             report.note("model", note)
     funcs = resolve_each(script_args.reward_funcs, args.reward_kwargs, report)
     dataset = _dataset(script_args, args, report)
+    if info is not None and dataset is not None:
+        _source_images(info.family, dataset, report)
     _trainer_reward_checks(script_args, args, funcs, dataset, info, report)
     sizes = _rewards(funcs, dataset, args, report)
     _batching(args, parsed, strategy, report)
@@ -134,6 +136,27 @@ def _dataset(script_args, args, report: Report):
         return None
     report.note("data", f"{len(dataset)} training prompts ({', '.join(dataset.column_names)}).")
     return dataset
+
+
+def _source_images(family, dataset, report: Report) -> None:
+    """An editing model's rows' source images (every header read, as the trainer does), or a text-to-image model's
+    refusal of them."""
+    from ..data.source_images import SOURCE_IMAGES_COLUMN, check_source_images
+
+    if not family.editing:
+        if SOURCE_IMAGES_COLUMN in dataset.column_names:
+            report.error(
+                "data",
+                f"the data has a {SOURCE_IMAGES_COLUMN!r} column, but {family.pipeline_class_name} generates from text",
+                "train an editing model (FLUX.1 Kontext, Qwen-Image-Edit; docs/models.md) or drop the column",
+            )
+        return
+    try:
+        check_source_images(dataset)
+    except ValueError as err:
+        report.error("data", str(err), "give every row a readable source image (docs/models.md#editing-models)")
+        return
+    report.note("data", f"{len(dataset)} source images readable ({family.pipeline_class_name} edits them).")
 
 
 def _trainer_reward_checks(script_args, args, funcs: dict, dataset, info, report: Report) -> None:
