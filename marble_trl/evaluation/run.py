@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 from ..artifacts import EVAL_SETTINGS_FILE, LORA_FILE, PEFT_WEIGHTS_FILE
+from ..data.source_images import SOURCE_IMAGES_COLUMN
+from ..models.editing import at_resolution
 from ..persistence.full_weights import is_full_finetune, load_full_transformer
 from .images import generate_eval_images, sample_seed, save_file_grid
 from .results import save_comparison, save_reward_chart, summarize_scores, write_results
@@ -104,6 +106,18 @@ def model_specs(loras: Sequence[str], include_base: bool = True, weight_name: st
     if not specs:
         raise ValueError("Nothing to evaluate: give --lora folders, or keep the base model.")
     return specs
+
+
+def editing_sources(pipe, dataset):
+    """An editing model's reader of the prompt set's ``source_images`` (every row checked first), else ``None``."""
+    from ..data.source_images import SourceImageLoader, check_source_images
+    from ..models import adapter_for
+
+    adapter = adapter_for(pipe)
+    if not adapter.editing:
+        return None
+    check_source_images(dataset, name="prompt set")
+    return SourceImageLoader(adapter.source_resolution)
 
 
 def _safe_dirname(name: str) -> str:
@@ -221,6 +235,7 @@ def evaluate_models(
                 pipe.set_progress_bar_config(disable=True)
                 pipe.to(device)
                 scheduler = make_scheduler(settings.scheduler, pipe.scheduler)
+                source_loader = editing_sources(pipe, dataset)
             base_transformer = pipe.transformer
             full = spec.lora is not None and is_full_finetune(spec.lora)
             if full:  # a full fine-tune: its transformer replaces the base's for this model
@@ -243,6 +258,9 @@ def evaluate_models(
                     for start in range(0, len(todo), settings.batch_size):
                         chunk = todo[start : start + settings.batch_size]
                         batch_prompts = [prompts[p] for p, _ in chunk]
+                        batch_sources = None  # an editing model edits each row's source image
+                        if source_loader is not None:
+                            batch_sources = source_loader([columns_all[SOURCE_IMAGES_COLUMN][p] for p, _ in chunk])
                         images = generate_eval_images(
                             pipe,
                             scheduler,
@@ -254,6 +272,7 @@ def evaluate_models(
                             negative_prompt=settings.negative_prompt,
                             max_sequence_length=max_len,
                             device=device,
+                            source_images=batch_sources,
                         )
                         for (p, i), pil in zip(chunk, to_pil(images)):
                             if p < grid_n:
@@ -261,6 +280,8 @@ def evaluate_models(
                         need = [j for j, it in enumerate(chunk) if it not in done]
                         if need:
                             cols = {c: [columns_all[c][chunk[j][0]] for j in need] for c in extra}
+                            if batch_sources is not None:  # the rewards get the source beside each edit
+                                cols[SOURCE_IMAGES_COLUMN] = at_resolution(batch_sources[need], images.shape[-1])
                             scores = score_rewards(funcs, [batch_prompts[j] for j in need], images[need], cols, names)
                             for col, j in enumerate(need):
                                 p, i = chunk[j]
