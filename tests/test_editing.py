@@ -23,6 +23,7 @@ from marble_trl import MarbleDiffusionNFTTrainer
 from marble_trl.data.source_images import SourceImageLoader, check_source_images
 from marble_trl.data.sources import load_source
 from marble_trl.models import load_model
+from marble_trl.models.editing import at_resolution
 from marble_trl.models.flux import pack
 from marble_trl.rewards import get_reward
 from marble_trl.rewards.editing import preservation, ssim_map
@@ -110,44 +111,48 @@ def test_the_trainer_refuses_a_mismatch_of_model_and_data(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ the families
 def test_kontext_samples_as_the_pipeline_edits_a_pil_image():
-    """FluxKontextPipeline's own __call__ on the PIL source (its preprocessing, VAE encode and packing) draws the
-    adapter's rollout bit for bit, with the card's editing arguments."""
+    """FluxKontextPipeline's own __call__ on the PIL sources (its preprocessing, VAE encode and packing) draws the
+    adapter's rollout bit for bit, with the card's editing arguments; rows repeat two (prompt, image) pairs out of
+    first-seen order, so the dedupe must map every row back to its own pair."""
     adapter = load_model("tiny-flux-kontext")
     adapter.pipeline.set_progress_bar_config(disable=True)
-    data = _png(3, size=adapter.source_resolution)
-    sources = torch.stack([_pixels(data, adapter.source_resolution)] * 2)
-    cond = adapter.encode(["make it red", "make it red"], 16, CPU, 3.5, source_images=sources)
+    side = adapter.source_resolution
+    files = [_png(3, size=side), _png(4, size=side)]
+    order = [1, 0, 1, 0]
+    prompts = [["make it red", "move it left"][k] for k in order]
+    sources = torch.stack([_pixels(files[k], side) for k in order])
+    cond = adapter.encode(prompts, 16, CPU, 3.5, source_images=sources)
     scheduler = make_scheduler("euler", adapter.pipeline.scheduler)
     ours = adapter.sample(scheduler, cond, 3, RESOLUTION, torch.Generator().manual_seed(4), 3.5)
     theirs = adapter.pipeline(
-        image=Image.open(io.BytesIO(data)).convert("RGB"), prompt="make it red", num_images_per_prompt=2,
+        image=[Image.open(io.BytesIO(files[k])).convert("RGB") for k in order], prompt=prompts,
         num_inference_steps=3, guidance_scale=3.5, height=RESOLUTION, width=RESOLUTION, max_sequence_length=16,
-        generator=torch.Generator().manual_seed(4), output_type="latent",
-        **adapter.edit_call_kwargs(RESOLUTION),
+        generator=torch.Generator().manual_seed(4), output_type="latent", **adapter.edit_call_kwargs(RESOLUTION),
     ).images  # fmt: skip
     torch.testing.assert_close(pack(ours), theirs, rtol=0, atol=0)
-    other = adapter.encode(["make it red"] * 2, 16, CPU, 3.5, source_images=torch.rand_like(sources))
-    assert (
-        adapter.sample(scheduler, other, 3, RESOLUTION, torch.Generator().manual_seed(4), 3.5) - ours
-    ).abs().max() > 1e-3
+    other = adapter.encode(prompts, 16, CPU, 3.5, source_images=sources.flip(0))
+    moved = adapter.sample(scheduler, other, 3, RESOLUTION, torch.Generator().manual_seed(4), 3.5)
+    assert (moved - ours).abs().max() > 1e-3
 
 
 def test_qwen_image_edit_prompts_see_their_image_and_rows_dedupe():
-    """Each distinct (prompt, image) pair is encoded once, and a row equals the pipeline's encode_prompt of that
-    prompt with that image alone (the VL encoder's vision tokens); a different image changes the prompt's rows."""
+    """Each distinct (prompt, image) pair is encoded once, and every row (out of first-seen order) equals the
+    pipeline's encode_prompt of its prompt with its image alone (the VL encoder's vision tokens) and the pipeline's
+    VAE latents of its image; a different image changes the prompt's rows."""
     adapter = load_model("tiny-qwen-image-edit")
     side = adapter.source_resolution
-    a, b = torch.rand(2, 3, side, side, generator=torch.Generator().manual_seed(0))
-    cond = adapter.encode(
-        ["make it red", "make it red", "make it blue"], 64, CPU, source_images=torch.stack([a, a, b])
-    )
-    for i, (prompt, image) in enumerate([("make it red", a), ("make it red", a), ("make it blue", b)]):
-        embeds, _ = adapter.pipeline.encode_prompt(prompt=[prompt], image=to_pil(image[None]), device=CPU)
+    a, b = (torch.rand(2, 3, side, side, generator=torch.Generator().manual_seed(0)) * 255).round() / 255
+    rows = [("make it blue", b), ("make it red", a), ("make it blue", b), ("make it red", b)]
+    cond = adapter.encode([p for p, _ in rows], 64, CPU, source_images=torch.stack([im for _, im in rows]))
+    pipe = adapter.pipeline
+    for i, (prompt, image) in enumerate(rows):
+        embeds, _ = pipe.encode_prompt(prompt=[prompt], image=to_pil(image[None]), device=CPU)
         row = cond.row(i)
         torch.testing.assert_close(row.prompt_embeds, embeds, rtol=1e-5, atol=1e-6)
-    swapped = adapter.encode(["make it red"], 64, CPU, source_images=b[None])
-    assert (swapped.prompt_embeds - cond.row(0).prompt_embeds).abs().max() > 1e-4
-    assert (swapped.image_latents - cond.image_latents[:1]).abs().max() > 1e-4
+        pixels = pipe.image_processor.preprocess(to_pil(image[None])[0], side, side).unsqueeze(2)
+        latents = pipe._encode_vae_image(pixels, None)[:, :, 0]
+        torch.testing.assert_close(row.image_latents, latents, rtol=1e-5, atol=1e-6)
+    assert (cond.row(3).prompt_embeds - cond.row(1).prompt_embeds).abs().max() > 1e-4  # same prompt, other image
 
 
 @pytest.mark.heavy
@@ -174,12 +179,14 @@ def test_qwen_image_edit_samples_as_the_pipeline_at_its_own_conditioning_size():
 
 @pytest.mark.parametrize("name", ["tiny-flux-kontext", "tiny-qwen-image-edit"])
 def test_rewards_and_evaluation_receive_the_source_beside_each_edit(name, tmp_path):
-    """Training and evaluation hand every reward the row's source image at the edits' size, in the rows' order."""
+    """Training and evaluation hand every reward each row's own source image, at the edits' size and on their device
+    (instructions repeat across rows: rows are told apart by an id column)."""
     dataset = load_source("shapes_edit").select(range(8))
-    seen: list[tuple[list[str], torch.Tensor, torch.Tensor]] = []
+    dataset = dataset.add_column("row_id", list(range(len(dataset))))
+    seen: list[tuple[list[int], torch.Tensor, torch.Tensor]] = []
 
-    def recorder(prompts, images, source_images, **_):
-        seen.append((list(prompts), images.clone(), source_images.clone()))
+    def recorder(prompts, images, source_images, row_id, **_):
+        seen.append((list(row_id), images.clone(), source_images.clone()))
         return [0.0] * len(prompts)
 
     args = tiny_args(tmp_path, max_steps=1, resolution=RESOLUTION, eval_strategy="no")
@@ -187,14 +194,12 @@ def test_rewards_and_evaluation_receive_the_source_beside_each_edit(name, tmp_pa
                                         eval_dataset=dataset.select(range(2)))  # fmt: skip
     trainer.train()
     trainer.evaluate()
-    by_prompt = {row["prompt"]: row["source_images"] for row in dataset}
-    loader = SourceImageLoader(RESOLUTION)
+    loader = SourceImageLoader(trainer.model_adapter.source_resolution)
     assert len(seen) == 2
-    for prompts, images, sources in seen:
-        assert sources.shape == images.shape
-        expected = loader([by_prompt[p] for p in prompts])
-        # the model's source resolution (32) resized to the edits' 16 px: the loader's Lanczos at 16 px, near
-        assert (sources - expected).abs().mean() < 0.05
+    for ids, images, sources in seen:
+        assert sources.shape == images.shape and sources.device == images.device
+        expected = at_resolution(loader([dataset[i]["source_images"] for i in ids]), RESOLUTION)
+        torch.testing.assert_close(sources, expected, rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------- rewards
@@ -291,16 +296,25 @@ def test_shapes_edit_model_and_benchmark_run_as_documented(tmp_path):
 
 def test_marble_trl_evaluate_edits_each_rows_source(tmp_path):
     """``marble-trl evaluate`` on an editing model edits every prompt's own source image and hands it to the
-    rewards: an unedited rest scores preservation near 1 on the pretrained world model."""
+    rewards: its edits preserve their own sources far better than another row's (a mixed-up run's score)."""
     from marble_trl.cli import main
 
     out = tmp_path / "eval"
     argv = ["evaluate", "--model", "shapes-edit", "--prompts", "shapes_edit_eval", "--max_prompts", "8"]
     argv += ["--reward_funcs", "shapes_edit_instruction", "shapes_edit_preservation", "--num_sample_steps", "6"]
-    argv += ["--resolution", "32", "--max_sequence_length", "40", "--output", str(out), "--grid_prompts", "2"]
+    argv += ["--resolution", "32", "--max_sequence_length", "40", "--output", str(out), "--grid_prompts", "8"]
     argv += ["--no_progress", "--device", "cpu"]
     assert main(argv) == 0
     scores = [json.loads(line) for line in (out / "base" / "scores.jsonl").read_text().splitlines()]
     assert len(scores) == 8
-    preservation = [row["scores"]["shapes_edit_preservation"] for row in scores]
-    assert sum(preservation) / len(preservation) > 0.3  # the model edits its source; noise would score ~0
+    ours = [row["scores"]["shapes_edit_preservation"] for row in sorted(scores, key=lambda r: r["prompt_index"])]
+    rows = load_source("shapes_edit_eval").select(range(8))
+    files = sorted((out / "base" / "images").glob("*.png"))
+    edited = torch.stack([torch.from_numpy(np.asarray(Image.open(f).convert("RGB")).copy()) for f in files])
+    edited = edited.permute(0, 3, 1, 2).float() / 255
+    sources = SourceImageLoader(32)(rows["source_images"])
+    own = edits.preservation(rows["prompt"], edited, source_images=sources, edit_quadrants=rows["edit_quadrants"])
+    assert ours == pytest.approx(own, abs=1e-6)  # the saved PNGs are the scored edits, scored against their rows
+    mixed = edits.preservation(rows["prompt"], edited, source_images=sources.roll(1, dims=0),
+                               edit_quadrants=rows["edit_quadrants"])  # fmt: skip
+    assert sum(ours) / 8 > sum(mixed) / 8 + 0.3, (ours, mixed)

@@ -41,6 +41,7 @@ def _sources(adapter, n: int) -> dict:
         return {}
     side = adapter.source_resolution
     images = torch.rand(2, 3, side, side, generator=torch.Generator().manual_seed(11))
+    images = (images * 255).round() / 255  # uint8-exact: the trainer's loader rounds a tensor's pixels to uint8
     return {"source_images": images[torch.arange(n) % 2]}
 
 

@@ -29,6 +29,11 @@ def _export_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample_prompts", nargs="*", default=[], help="Render these prompts into samples/ for the card.")
     p.add_argument("--model", help="Base model to render samples with (default: --base_model / the run's model).")
     p.add_argument(
+        "--source_images",
+        nargs="+",
+        help="An editing model's images to edit for the samples: one for every sample prompt, or one per prompt.",
+    )
+    p.add_argument(
         "--tiny_seed", type=int, help="Seed of the tiny model (base model tiny; default: the seed the run records)."
     )
     p.add_argument("--license", help="License for the card's metadata.")
@@ -46,6 +51,7 @@ def export_command(argv: list[str]) -> dict:
     out = export_checkpoint(
         a.checkpoint, a.output, ema=a.ema, fmt=a.format, base_model=a.base_model, sample_prompts=a.sample_prompts,
         model=a.model, tiny_seed=a.tiny_seed, repo_id=a.push_to_hub, license=a.license, overwrite=a.overwrite,
+        source_images=a.source_images,
     )  # fmt: skip
     result = {"output": str(out)}
     print(f"[marble-trl] exported {a.checkpoint} ({'EMA' if a.ema else 'raw'} weights, {a.format}) -> {out}")

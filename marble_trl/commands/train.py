@@ -161,7 +161,7 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
     from ..data.source_images import SOURCE_IMAGES_COLUMN
     from ..evaluation.samples import save_before_after, score_images
     from ..models import load_model
-    from ..models.editing import at_resolution
+    from ..models.editing import beside
     from ..trainer import MarbleDiffusionNFTTrainer
 
     if not script_args.reward_funcs:
@@ -217,8 +217,7 @@ def train(script_args: MarbleScriptArguments, training_args: MarbleDiffusionNFTC
             extra = [c for c in dataset.column_names if c != "prompt"]
             columns = {c: [dataset[k][c] for k in grid_rows] * len(seeds) for c in extra}
             if grid_sources is not None:
-                at_size = at_resolution(grid_sources, training_args.resolution)
-                columns[SOURCE_IMAGES_COLUMN] = at_size.repeat(len(seeds), 1, 1, 1)
+                columns[SOURCE_IMAGES_COLUMN] = beside(grid_sources, before).repeat(len(seeds), 1, 1, 1)
             prompts = grid_prompts * len(seeds)
             funcs, names = trainer.reward_funcs, trainer.reward_names
             save_before_after(

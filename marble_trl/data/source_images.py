@@ -131,31 +131,41 @@ def resolve_image_paths(dataset, base_dir: str | Path):
     return dataset
 
 
+def source_image_keys(dataset) -> list[str | None]:
+    """Each row's source image identity (its path, or a digest of its bytes; ``None`` for a decoded image)."""
+    return [_key(_one(v, row, "source_images")) for row, v in enumerate(_undecoded(dataset)[SOURCE_IMAGES_COLUMN])]
+
+
 def to_pixels(image, resolution: int) -> torch.Tensor:
     """A PIL image as uint8 ``[3, resolution, resolution]``: RGB, resized with Lanczos (the pipelines' resize)."""
     import numpy as np
-    from PIL import Image
+    from PIL import Image, ImageOps
 
-    image = image.convert("RGB")
+    image = ImageOps.exif_transpose(image).convert("RGB")  # as diffusers' load_image: a phone photo's orientation
     if image.size != (resolution, resolution):
         image = image.resize((resolution, resolution), resample=Image.LANCZOS)
     return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
 
 
 class SourceImageLoader:
-    """Rows' ``source_images`` values -> ``[B, 3, R, R]`` float32 in ``[0, 1]``, with an LRU cache of uint8 pixels."""
+    """Rows' ``source_images`` values -> ``[B, 3, R, R]`` float32 in ``[0, 1]``, with an LRU cache of uint8 pixels
+    bounded in bytes (``cache_bytes``, 1 GiB: about 340 sources at 1024 x 1024); decoded PIL images (a Hub ``Image``
+    column read by ``datasets``) are resized each time, their decoding is ``datasets``'."""
 
-    def __init__(self, resolution: int, base_dir: str | Path | None = None, cache_size: int = 1024) -> None:
+    def __init__(self, resolution: int, base_dir: str | Path | None = None, cache_bytes: int = 1 << 30) -> None:
         self.resolution = resolution
         self.base_dir = base_dir
-        self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._bytes = 0
 
     def reset(self) -> None:
         self._cache.clear()
+        self._bytes = 0
 
     def pixels(self, value: Any, row: int | None = None) -> torch.Tensor:
-        value = _one(value, row, "source_images")
+        """One value's uint8 pixels; ``row``: its position in the batch (named in errors)."""
+        value = _one(value, row, "source_images (batch position)")
         if isinstance(value, torch.Tensor):  # already pixels (a caller's tensor): [3, H, W] in [0, 1]
             return _tensor_pixels(value, self.resolution)
         key = _key(value)
@@ -165,17 +175,27 @@ class SourceImageLoader:
         try:
             pixels = to_pixels(open_image(value, self.base_dir), self.resolution)
         except Exception as err:
-            where = f"row {row}'s " if row is not None else ""
+            where = f"batch position {row}: " if row is not None else ""
             raise ValueError(
                 f"{where}{SOURCE_IMAGES_COLUMN!r} could not be read: {type(err).__name__}: {err}"
             ) from err
-        if key is not None:
+        if key is not None and pixels.numel() <= self.cache_bytes:
             self._cache[key] = pixels
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._bytes += pixels.numel()
+            while self._bytes > self.cache_bytes:
+                self._bytes -= self._cache.popitem(last=False)[1].numel()
         return pixels
 
-    def __call__(self, values: list[Any]) -> torch.Tensor:
+    def __call__(self, values: Any) -> torch.Tensor:
+        """``[B, 3, R, R]`` for a list of values (or one value: a path, bytes, a PIL image, a ``[3, H, W]`` tensor,
+        or a ``[B, 3, H, W]`` tensor)."""
+        from PIL import Image
+
+        single = (str, Path, bytes, bytearray, dict, Image.Image)
+        if isinstance(values, single) or (isinstance(values, torch.Tensor) and values.ndim == 3):
+            values = [values]
+        else:  # a list, a datasets column, a [B, 3, H, W] tensor
+            values = list(values)
         return torch.stack([self.pixels(v, i) for i, v in enumerate(values)]).float() / 255.0
 
 

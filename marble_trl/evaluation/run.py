@@ -30,7 +30,7 @@ import torch
 
 from ..artifacts import EVAL_SETTINGS_FILE, LORA_FILE, PEFT_WEIGHTS_FILE
 from ..data.source_images import SOURCE_IMAGES_COLUMN
-from ..models.editing import at_resolution
+from ..models.editing import beside
 from ..persistence.full_weights import is_full_finetune, load_full_transformer
 from .images import generate_eval_images, sample_seed, save_file_grid
 from .results import save_comparison, save_reward_chart, summarize_scores, write_results
@@ -281,7 +281,7 @@ def evaluate_models(
                         if need:
                             cols = {c: [columns_all[c][chunk[j][0]] for j in need] for c in extra}
                             if batch_sources is not None:  # the rewards get the source beside each edit
-                                cols[SOURCE_IMAGES_COLUMN] = at_resolution(batch_sources[need], images.shape[-1])
+                                cols[SOURCE_IMAGES_COLUMN] = beside(batch_sources[need], images[need])
                             scores = score_rewards(funcs, [batch_prompts[j] for j in need], images[need], cols, names)
                             for col, j in enumerate(need):
                                 p, i = chunk[j]

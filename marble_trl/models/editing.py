@@ -4,6 +4,8 @@ each distinct source image encoded once, and the ``source_images=`` argument tha
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -55,6 +57,20 @@ def at_resolution(images: torch.Tensor, side: int) -> torch.Tensor:
     return resized.clamp(0, 1)
 
 
+def repeat_sources(pixels: torch.Tensor, count: int) -> torch.Tensor:
+    """One source image for every prompt, or one per prompt (a clear error otherwise)."""
+    if len(pixels) == 1:
+        return pixels.expand(count, -1, -1, -1)
+    if len(pixels) != count:
+        raise ValueError(f"{len(pixels)} source images for {count} prompts: give one, or one per prompt.")
+    return pixels
+
+
+def beside(sources: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    """The source images as the rewards receive them: at the edits' size, on the edits' device."""
+    return at_resolution(sources, images.shape[-1]).to(images.device)
+
+
 def unique_images(images: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """The distinct images of ``images`` (``[B, ...]``) in first-seen order, and each image's row among them (a group
     repeats its source ``num_generations`` times: the VAE encodes it once)."""
@@ -80,3 +96,22 @@ def probe_sources(adapter, count: int, resolution: int) -> dict[str, Any]:
     from ..data.source_images import blank_sources
 
     return source_kwargs(adapter, blank_sources(count, resolution)) if getattr(adapter, "editing", False) else {}
+
+
+@contextmanager
+def small_sources(adapter, side: int) -> Iterator[None]:
+    """Inside the block, an editing adapter conditions on ``side``-pixel sources (a probe whose answer does not depend
+    on the source's size, e.g. which parameters a forward reaches: not a 1024 x 1024 VAE encode per process)."""
+    if not getattr(adapter, "editing", False):
+        yield
+        return
+    pipeline = adapter.pipeline
+    had, before = hasattr(pipeline, "source_resolution"), getattr(pipeline, "source_resolution", None)
+    pipeline.source_resolution = side
+    try:
+        yield
+    finally:
+        if had:
+            pipeline.source_resolution = before
+        else:
+            del pipeline.source_resolution

@@ -75,7 +75,7 @@ class FluxKontextAdapter(EditingAdapter, FluxAdapter):
         """``[B, 3, H, W]`` in ``[0, 1]`` -> the scaled VAE latents (``_encode_vae_image``), each distinct image once."""
         vae = self.pipeline.vae
         unique, rows = unique_images(images)
-        pixels = unique.to(device=device, dtype=vae.dtype) * 2 - 1  # VaeImageProcessor.normalize
+        pixels = (unique.to(device).float() * 2 - 1).to(vae.dtype)  # VaeImageProcessor.normalize, then the cast
         # in the memory layout of the pipeline's PIL -> numpy -> tensor preprocessing (channels last): the VAE's
         # convolutions round differently in the other layout (1 ulp), and a LoRA should draw in diffusers what it drew here
         pixels = pixels.contiguous(memory_format=torch.channels_last)

@@ -61,7 +61,7 @@ class QwenImageEditAdapter(EditingAdapter, QwenImageAdapter):
     family = "qwen-image-edit"
     pipeline_class_name = "QwenImageEditPipeline"
     tiny_name = TINY_QWEN_IMAGE_EDIT_NAME
-    hub_ids = ("Qwen/Qwen-Image-Edit", "Qwen/Qwen-Image-Edit-2509")
+    hub_ids = ("Qwen/Qwen-Image-Edit",)
     editing = True
     pipeline_source_resolution = condition_size(PIPELINE_CONDITION_AREA)[0]
     prompt_sees_image = True
@@ -107,7 +107,7 @@ class QwenImageEditAdapter(EditingAdapter, QwenImageAdapter):
     def encode_images(self, pixels: torch.Tensor, device) -> torch.Tensor:
         """``[B, 3, H, W]`` in ``[0, 1]`` -> the normalised VAE latents ``[B, C, h, w]`` (``_encode_vae_image``)."""
         vae = self.pipeline.vae
-        x = (pixels.to(device=device, dtype=vae.dtype) * 2 - 1)[:, :, None]  # VaeImageProcessor.normalize; frames
+        x = (pixels.to(device).float() * 2 - 1).to(vae.dtype)[:, :, None]  # VaeImageProcessor.normalize; frames
         latents = vae.encode(x).latent_dist.mode()
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)

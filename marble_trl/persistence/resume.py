@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..data.source_images import SOURCE_IMAGES_COLUMN, source_image_keys
 from ..distributed import non_finite_tensors
 from .checkpoint import checksum_mismatches, read_manifest
 
@@ -98,13 +99,16 @@ class CorruptCheckpointError(ValueError):
 
 
 def dataset_fingerprint(dataset: Any) -> str | None:
-    """A hash of the training prompts (and their sources), in order; None for datasets without a prompt column."""
+    """A hash of the training prompts (their sources, and an editing dataset's source images: each row's path or a
+    digest of its bytes), in order; None for datasets without a prompt column."""
     if dataset is None or "prompt" not in getattr(dataset, "column_names", ()):
         return None
     digest = hashlib.sha256()
     digest.update(json.dumps(list(dataset["prompt"]), default=str).encode())
     if "source" in dataset.column_names:
         digest.update(json.dumps(list(dataset["source"]), default=str).encode())
+    if SOURCE_IMAGES_COLUMN in dataset.column_names:
+        digest.update(json.dumps(source_image_keys(dataset)).encode())
     return digest.hexdigest()[:16]
 
 

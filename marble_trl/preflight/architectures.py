@@ -253,7 +253,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         "FLUX.1-dev", ("activations: FLUX.1-dev's per-token measurement, over the target's and the source's tokens",),
     ),
     Architecture(
-        "Qwen-Image-Edit", "qwen-image-edit", ("Qwen/Qwen-Image-Edit", "Qwen/Qwen-Image-Edit-2509"),
+        "Qwen-Image-Edit", "qwen-image-edit", ("Qwen/Qwen-Image-Edit",),
         _diffusers_default("QwenImageTransformer2DModel"), {"num_layers": 60}, 3072, {"qwen2.5_vl_7b": qwen25_vl_7b},
         _qwen_image_vae, "Qwen-Image",
         ("activations: Qwen-Image's per-token measurement, over the target's, the source's and the prompt's vision "

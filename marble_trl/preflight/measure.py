@@ -42,6 +42,7 @@ def _measure(script_args, args) -> list[str]:
     from ..commands.train import _resolve_dtype
     from ..distributed import num_train_timesteps
     from ..models import load_model
+    from ..models.editing import probe_sources
     from ..policy.lora import add_policy_adapters
     from ..rollout.solvers import make_scheduler
     from ..trainer.setup import lora_config
@@ -59,7 +60,9 @@ def _measure(script_args, args) -> list[str]:
     torch.cuda.reset_peak_memory_stats()
     mb = args.per_device_train_batch_size
     prompts = ['a photo of a red apple on a table, with a sign that says "hello"'] * mb
-    cond = adapter.encode(prompts, args.max_sequence_length, device, args.guidance_scale)
+    # an editing model edits a blank source at its conditioning size (its tokens count like a real image's)
+    sources = probe_sources(adapter, mb, adapter.source_resolution) if adapter.editing else {}
+    cond = adapter.encode(prompts, args.max_sequence_length, device, args.guidance_scale, **sources)
     scheduler = make_scheduler(args.sample_scheduler, adapter.pipeline.scheduler)
     generator = torch.Generator(device).manual_seed(0)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)

@@ -49,7 +49,7 @@ def run_checks(parsed, strategy: Strategy, gpu_memory: str | None, measure: bool
     funcs = resolve_each(script_args.reward_funcs, args.reward_kwargs, report)
     dataset = _dataset(script_args, args, report)
     if info is not None and dataset is not None:
-        _source_images(info.family, dataset, report)
+        _source_images(info.family, dataset, args, report)
     _trainer_reward_checks(script_args, args, funcs, dataset, info, report)
     sizes = _rewards(funcs, dataset, args, report)
     _batching(args, parsed, strategy, report)
@@ -138,10 +138,17 @@ def _dataset(script_args, args, report: Report):
     return dataset
 
 
-def _source_images(family, dataset, report: Report) -> None:
-    """An editing model's rows' source images (every header read, as the trainer does), or a text-to-image model's
-    refusal of them."""
+def _source_images(family, dataset, args, report: Report) -> None:
+    """An editing model's rows' source images (every header read, as the trainer does) and its prompt cache, or a
+    text-to-image model's refusal of them."""
     from ..data.source_images import SOURCE_IMAGES_COLUMN, check_source_images
+
+    if family.editing and family.prompt_sees_image and args.cache_prompt_embeddings:
+        report.error(
+            "config",
+            f"cache_prompt_embeddings: {family.pipeline_class_name}'s prompt conditioning depends on the source image",
+            "set --cache_prompt_embeddings false (--offload_text_encoders true still frees the GPU between encodings)",
+        )
 
     if not family.editing:
         if SOURCE_IMAGES_COLUMN in dataset.column_names:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .._version import __version__
-from ..models.tiny import TINY_SOURCE_RESOLUTION, is_tiny
+from ..models.tiny import SHAPES_EDIT_MODEL_NAME, TINY_SOURCE_RESOLUTION, is_tiny
 
 CARD_TAGS = ["diffusers", "lora", "text-to-image", "trl", "marble", "diffusion-nft"]
 
@@ -229,7 +229,8 @@ def _usage_snippet(info: CardInfo) -> str:
     frames = f", num_frames={settings['num_frames']}" if family.video and settings.get("num_frames") else ""
     call = f'image = pipe("a photo of a cat", num_inference_steps={steps}{guidance}{size}{frames}).images[0]'
     if family.editing:  # the image to edit, at the size the model was trained to condition on
-        side = TINY_SOURCE_RESOLUTION if is_tiny(base) else family.pipeline_source_resolution
+        offline = is_tiny(base) or base == SHAPES_EDIT_MODEL_NAME  # conditioned on 32 x 32 sources
+        side = TINY_SOURCE_RESOLUTION if offline else family.pipeline_source_resolution
         extra = "".join(f", {k}={v!r}" for k, v in family.edit_call_kwargs(res).items()) if res else ""
         call = (
             "from diffusers.utils import load_image\n\n"
@@ -276,13 +277,17 @@ def render_model_card(info: CardInfo) -> str:
 
     hub_base = hub_base_model(info.base_model)
     full = info.lora_format == "full"
-    tags = list(dict.fromkeys([*(t for t in CARD_TAGS if not (full and t == "lora")), *info.tags]))
+    from ..models.family import family_of_pipeline_class
+
+    task = "image-to-image" if family_of_pipeline_class(info.pipeline_class).editing else "text-to-image"
+    tags = [task if t == "text-to-image" else t for t in CARD_TAGS if not (full and t == "lora")]
+    tags = list(dict.fromkeys([*tags, *info.tags]))
     data = ModelCardData(
         library_name="diffusers",
         base_model=hub_base,
         license=info.license,
         tags=tags,
-        pipeline_tag="text-to-image",
+        pipeline_tag=task,
         widget=[{"text": prompt, "output": {"url": path}} for path, prompt in info.samples] or None,
     )
     multi = len(info.reward_names) > 1

@@ -164,6 +164,7 @@ def edit_sources(adapter, source_images: Any, count: int) -> torch.Tensor | None
     """An editing model's source pixels for ``count`` prompts (one image repeated for all, or one each); ``None``
     for a text-to-image model, which refuses them."""
     from ..data.source_images import SourceImageLoader
+    from ..models.editing import repeat_sources
 
     if not adapter.editing:
         if source_images is not None:
@@ -174,12 +175,7 @@ def edit_sources(adapter, source_images: Any, count: int) -> torch.Tensor | None
             f"{type(adapter.pipeline).__name__} edits images: give the image(s) to edit (--source_images / "
             "source_images=), one for every prompt or one per prompt."
         )
-    values = list(source_images) if not isinstance(source_images, (str, Path)) else [source_images]
-    if len(values) == 1:
-        values = values * count
-    if len(values) != count:
-        raise ValueError(f"{len(values)} source images for {count} prompts: give one, or one per prompt.")
-    return SourceImageLoader(adapter.source_resolution)(values)
+    return repeat_sources(SourceImageLoader(adapter.source_resolution)(source_images), count)
 
 
 def read_sampling_settings(lora: str | os.PathLike | None) -> dict[str, Any]:
@@ -271,13 +267,15 @@ def export_checkpoint(
     repo_id: str | None = None,
     license: str | None = None,
     overwrite: bool = False,
+    source_images: Any = None,
 ) -> Path:
     """Write a publishable LoRA folder from a run folder ``checkpoint`` (a ``checkpoint-N`` folder or a run's final
     ``output_dir``). Returns ``output``.
 
     ``ema`` exports the parameter EMA instead of the trained weights (checkpoints only). ``sample_prompts`` renders
     sample images with ``model`` (default: the run's base model; ``tiny`` with its recorded seed unless
-    ``tiny_seed`` is given) plus the exported LoRA, through ``load_lora_weights``.
+    ``tiny_seed`` is given) plus the exported LoRA, through ``load_lora_weights``; an editing model's samples edit
+    ``source_images`` (one for every prompt, or one per prompt).
 
     The folder is written next to ``output`` under a temporary name and renamed at the end: when anything fails
     (say, rendering the samples) no partial ``output`` is left, and an ``output`` being replaced (``overwrite``) is
@@ -291,6 +289,7 @@ def export_checkpoint(
         return export_full(
             source, output, ema=ema, fmt=fmt, base_model=base_model, sample_prompts=sample_prompts, model=model,
             tiny_seed=tiny_seed, seed=seed, repo_id=repo_id, license=license, render=generate_images,
+            source_images=source_images,
         )  # fmt: skip
     found = read_run_folder(source, ema=ema)
     _check_output(source, output, overwrite)
@@ -320,8 +319,9 @@ def export_checkpoint(
                     write_diffusers_lora(lora_dir, tensors, lora_config)
                     write_export_config(lora_dir, info)
                 images = generate_images(
-                    render_model, list(sample_prompts), lora_dir, seed=seed, tiny_seed=info.tiny_seed or 0
-                )
+                    render_model, list(sample_prompts), lora_dir, seed=seed, tiny_seed=info.tiny_seed or 0,
+                    source_images=source_images,
+                )  # fmt: skip
             info.samples = save_samples(images, list(sample_prompts), staging)
         write_model_card(info, staging)
     return output

@@ -31,9 +31,10 @@ def export_full(
     repo_id: str | None,
     license: str | None,
     render,
+    source_images=None,
 ) -> Path:
     """Write ``output`` from the full run folder ``source``, atomically; ``render`` draws the samples
-    (``generate_images``)."""
+    (``generate_images``; an editing model's edit ``source_images``)."""
     if fmt != "diffusers":
         raise ValueError(f"{source} is a full fine-tune: it exports as a diffusers model folder (--format diffusers).")
     ema_file = None
@@ -60,7 +61,8 @@ def export_full(
         write_transformer(source, staging, ema_file)
         write_export_config(staging, info, source=str(source.resolve()))
         if sample_prompts:
-            images = render(render_model, list(sample_prompts), staging, seed=seed, tiny_seed=info.tiny_seed or 0)
+            images = render(render_model, list(sample_prompts), staging, seed=seed, tiny_seed=info.tiny_seed or 0,
+                            source_images=source_images)  # fmt: skip
             info.samples = save_samples(images, list(sample_prompts), staging)
         write_model_card(info, staging)
     return output

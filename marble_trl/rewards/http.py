@@ -315,6 +315,10 @@ class HTTPReward:
         budget_end = time.monotonic() + total
         scores: list[float | None] = []
         sources = columns.pop("source_images", None)  # an editing model's sources: sent as images, not metadata
+        if sources is not None and not isinstance(sources, torch.Tensor):
+            raise self._fail(
+                f"source_images must be a [B, 3, H, W] tensor in [0, 1] (the trainer's), got {type(sources).__name__}."
+            )
         for i, start in enumerate(range(0, n, step)):
             stop = min(start + step, n)
             chunk_columns = {k: list(v)[start:stop] for k, v in dataset_columns(columns).items()}  # not trainer_state

@@ -120,6 +120,8 @@ def score_rewards(
                     extra[key] = logs.log_metric_for(name)
         start = time.perf_counter()
         version = images._version if isinstance(images, torch.Tensor) else None
+        sources = columns.get("source_images")  # an editing model's: guarded as the images are
+        source_version = sources._version if isinstance(sources, torch.Tensor) else None
         try:
             values = fn(prompts=prompts, images=images, **columns, **extra)
         except RewardError:
@@ -130,6 +132,7 @@ def score_rewards(
             pending.append((k, name, values))
             continue
         check_images_unchanged(images, version, name)
+        check_images_unchanged(sources, source_version, name)
         if timings is not None:
             timings[name] = time.perf_counter() - start
         _store(out, k, name, values, prompts)

@@ -41,7 +41,7 @@ LEARNABLE = 0.10  # each reward alone must gain this much over the base (the tex
 
 @dataclass(frozen=True)
 class EditBudget:
-    steps: int = 60
+    steps: int = 120  # 60 left instruction and preservation below their base (seed 0; docs/shapesbench.md#editing)
     num_generations: int = 8
     prompts_per_step: int = 4
     sample_steps: int = 6

@@ -23,11 +23,12 @@ from ..data.source_images import SOURCE_IMAGES_COLUMN, SourceImageLoader
 from ..data.sources import SOURCE_COLUMN
 from ..evaluation.images import generate_eval_images, grid_image, sample_seed
 from ..evaluation.results import summarize_scores
-from ..models.editing import at_resolution
+from ..models.editing import beside, repeat_sources
 from ..persistence.best import selection_metrics
 from ..policy.lora import LoraEMA
 from ..policy.switch import use_reference_weights
 from ..rewards import RewardFunc, score_rewards
+from .setup import check_editing_data
 from .trackers import log_image
 
 
@@ -80,7 +81,6 @@ def evaluate_dataset(
                 sources = None
                 if source_images is not None:  # an editing model: the rewards get the pixels it edited
                     sources = source_images(columns[SOURCE_IMAGES_COLUMN])
-                    columns[SOURCE_IMAGES_COLUMN] = at_resolution(sources, args.resolution)
                 with autocast():
                     images = generate_eval_images(
                         pipeline,
@@ -95,6 +95,8 @@ def evaluate_dataset(
                         device=accelerator.device,
                         source_images=sources,
                     )
+                if sources is not None:
+                    columns[SOURCE_IMAGES_COLUMN] = beside(sources, images)
                 scores = score_rewards(reward_funcs, prompts, images, columns, reward_names)
                 for j, (p, i) in enumerate(chunk):
                     if b + j >= shard_real:
@@ -155,8 +157,9 @@ class EvaluationHooks:
     ) -> torch.Tensor:
         """Images ``[N, 3, H, W]`` in ``[0, 1]`` for ``prompts`` with the trained LoRA (or the base model when
         ``use_lora=False``), with the rollout solver and a fixed seed (one generator per call, so the same seed gives
-        the same noise with and without the LoRA). An editing model edits ``source_images``: one per prompt, as a
-        ``source_images`` column holds them (paths, PIL images, ...) or as a ``[N, 3, H, W]`` tensor in ``[0, 1]``."""
+        the same noise with and without the LoRA). An editing model edits ``source_images``: one per prompt (or one for
+        every prompt), as a ``source_images`` column holds them (paths, PIL images, ...) or as a ``[N, 3, H, W]``
+        tensor in ``[0, 1]``."""
         args = self.args
         transformer = self.transformer
         was_training = transformer.training
@@ -168,7 +171,7 @@ class EvaluationHooks:
                     "generate: this model edits images; pass source_images= (one per prompt: paths, PIL images or a "
                     "[N, 3, H, W] tensor in [0, 1])."
                 )
-            sources = self.source_images(list(source_images))
+            sources = repeat_sources(self.source_images(source_images), len(prompts))
         elif source_images is not None:
             raise ValueError("generate: source_images= is for editing models; this one generates from text alone.")
         embeds, negative = self._encode(prompts, sources)
@@ -215,6 +218,8 @@ class EvaluationHooks:
         if isinstance(dataset, str):  # transformers passes the key of a dict eval_dataset
             dataset = self.eval_dataset[dataset]
         check_prompt_dataset(dataset, name="eval_dataset")
+        if override:  # the trainer's own eval datasets were checked when it was built
+            check_editing_data(self.model_adapter, dataset, "eval_dataset")
         start = time.time()
         metrics = self._evaluate_dataset(dataset, metric_key_prefix)
         metrics.update(

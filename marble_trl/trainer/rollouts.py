@@ -16,7 +16,7 @@ from ..data.source_images import SOURCE_IMAGES_COLUMN
 from ..data.sources import SOURCE_COLUMN
 from ..distributed import num_train_timesteps
 from ..models import Conditioning
-from ..models.editing import at_resolution
+from ..models.editing import beside
 from ..policy.switch import use_old_weights
 from ..rewards import RewardLogs, score_rewards
 from .metrics import flush_reward_logs, reward_metrics, save_rollout_grid
@@ -55,7 +55,7 @@ class RolloutHooks:
         prompts = [s["prompt"] for s in samples]
         columns = {key: [s.get(key) for s in samples] for key in samples[0] if key != "prompt"}
         micro = len(batches[0])
-        sources = self._source_pixels(columns)  # an editing model's source images; the rewards get them too
+        sources = self._source_pixels(columns)  # an editing model's source images
 
         start = time.perf_counter()
         embeds, negative = self._encode(prompts, sources)
@@ -71,6 +71,8 @@ class RolloutHooks:
                 lambda m: self._generator(0, self._global_batch_index(m)),
             )
         rollout_time = time.perf_counter() - start
+        if sources is not None:  # the rewards receive each edit's source beside it, pixel for pixel
+            columns[SOURCE_IMAGES_COLUMN] = beside(sources, images_all)
         if not torch.isfinite(x0_all).all():
             raise FloatingPointError(
                 f"Step {self.state.global_step}: the rollouts' latents contain NaN/inf, so every image and reward would "
@@ -160,13 +162,10 @@ class RolloutHooks:
 
     def _source_pixels(self, columns: dict[str, list[Any]]) -> torch.Tensor | None:
         """An editing model's rows' source images as ``[B, 3, S, S]`` in ``[0, 1]`` (``S``: the model's source
-        resolution), written back into ``columns`` at the training resolution so that the rewards receive the source
-        beside each edit, pixel for pixel (``source_images=``); ``None`` for a text-to-image model."""
+        resolution); ``None`` for a text-to-image model."""
         if self.source_images is None:
             return None
-        pixels = self.source_images(columns[SOURCE_IMAGES_COLUMN])  # at the model's source resolution
-        columns[SOURCE_IMAGES_COLUMN] = at_resolution(pixels, self.args.resolution)  # beside the edits
-        return pixels
+        return self.source_images(columns[SOURCE_IMAGES_COLUMN])
 
     def _append_metrics(self, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():

@@ -13,7 +13,7 @@ import torch
 from ..data.prompts import GroupSampler, check_prompt_dataset
 from ..data.source_images import SOURCE_IMAGES_COLUMN, SourceImageLoader, check_source_images
 from ..data.sources import SOURCE_COLUMN
-from ..models.editing import probe_sources
+from ..models.editing import probe_sources, small_sources
 from ..rewards import RewardFunc, check_reward_funcs, resolve_reward_funcs, reward_name
 
 logger = logging.getLogger(__name__)
@@ -212,14 +212,9 @@ def source_image_loader(adapter, args, train_dataset, eval_dataset) -> SourceIma
     """An editing model's reader of the rows' source images, after every dataset's images were checked (a clear
     error naming the row); ``None`` for a text-to-image model, which refuses a ``source_images`` column."""
     datasets = [("train_dataset", train_dataset), *eval_datasets(eval_dataset)]
+    for name, dataset in datasets:
+        check_editing_data(adapter, dataset, name)
     if not adapter.editing:
-        for name, dataset in datasets:
-            if SOURCE_IMAGES_COLUMN in dataset.column_names:
-                raise ValueError(
-                    f"{name} has a {SOURCE_IMAGES_COLUMN!r} column, but {type(adapter.pipeline).__name__} generates "
-                    "from text alone: train an editing model (FLUX.1 Kontext, Qwen-Image-Edit; docs/models.md) or "
-                    "drop the column."
-                )
         return None
     if args.cache_prompt_embeddings and adapter.prompt_sees_image:
         raise ValueError(
@@ -227,9 +222,19 @@ def source_image_loader(adapter, args, train_dataset, eval_dataset) -> SourceIma
             "image (its VL encoder sees it), so prompts cannot be cached alone; set cache_prompt_embeddings=False "
             "(offload_text_encoders still frees the accelerator between encodings)."
         )
-    for name, dataset in datasets:
-        check_source_images(dataset, name)
     return SourceImageLoader(adapter.source_resolution)
+
+
+def check_editing_data(adapter, dataset, name: str) -> None:
+    """An editing model's dataset has a readable source image in every row (errors name the row); a text-to-image
+    model's has no ``source_images`` column."""
+    if adapter.editing:
+        check_source_images(dataset, name)
+    elif SOURCE_IMAGES_COLUMN in dataset.column_names:
+        raise ValueError(
+            f"{name} has a {SOURCE_IMAGES_COLUMN!r} column, but {type(adapter.pipeline).__name__} generates from text "
+            "alone: train an editing model (FLUX.1 Kontext, Qwen-Image-Edit; docs/models.md) or drop the column."
+        )
 
 
 def group_sampler(dataset, args) -> GroupSampler:
@@ -257,8 +262,8 @@ def unreached_trainable(adapter, transformer: torch.nn.Module, params: dict[str,
     low = next((d for d in (torch.bfloat16, torch.float16) if d in dtypes), None)
     mixed = low is not None and torch.float32 in dtypes
     autocast = torch.autocast(device.type, dtype=low) if mixed else contextlib.nullcontext()
-    with torch.no_grad(), autocast:
-        side = adapter.latent_factor * 2
+    side = adapter.latent_factor * 2
+    with torch.no_grad(), autocast, small_sources(adapter, side):
         cond = adapter.encode([""], 8, device, **probe_sources(adapter, 1, side))
         scheduler = copy.deepcopy(adapter.pipeline.scheduler)
         x = adapter.sample(scheduler, cond, 1, side, torch.Generator().manual_seed(0))
