@@ -318,3 +318,60 @@ def test_marble_trl_evaluate_edits_each_rows_source(tmp_path):
     mixed = edits.preservation(rows["prompt"], edited, source_images=sources.roll(1, dims=0),
                                edit_quadrants=rows["edit_quadrants"])  # fmt: skip
     assert sum(ours) / 8 > sum(mixed) / 8 + 0.3, (ours, mixed)
+
+
+def test_source_image_details_exif_cache_and_single_values(tmp_path):
+    """A phone photo's EXIF orientation is applied (as diffusers' load_image does); the cache is bounded in bytes;
+    one value (a path, a PIL image, a [3, H, W] tensor) is one image, a [B, 3, H, W] tensor B images."""
+    pixels = np.zeros((20, 40, 3), dtype=np.uint8)
+    pixels[:, :20] = 255  # left half white: rotated by the EXIF tag, it becomes the top or the bottom half
+    image = Image.fromarray(pixels)
+    exif = image.getexif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    path = tmp_path / "phone.jpg"
+    image.save(path, exif=exif, quality=100)
+    upright = SourceImageLoader(40)(str(path))[0]
+    assert upright[:, :20].mean() > 0.9 and upright[:, 20:].mean() < 0.1  # the white half on top
+    loader = SourceImageLoader(8, cache_bytes=3 * 8 * 8 * 2)  # room for two images
+    for seed in range(3):
+        loader.pixels(_png(seed))
+    assert len(loader._cache) == 2 and loader._bytes == 2 * 3 * 8 * 8
+    tensor = torch.rand(3, 8, 8)
+    assert loader(tensor).shape == (1, 3, 8, 8) and loader(torch.stack([tensor] * 3)).shape == (3, 3, 8, 8)
+    assert loader(Image.open(io.BytesIO(_png(0)))).shape == (1, 3, 8, 8)
+
+
+def test_sources_are_guarded_like_images_and_http_needs_a_tensor():
+    from marble_trl.rewards import RewardError, score_rewards
+    from marble_trl.rewards.http import HTTPReward
+
+    def vandal(prompts, images, source_images, **_):
+        source_images.mul_(0)
+        return [0.0] * len(prompts)
+
+    images, sources = torch.rand(2, 3, 8, 8), torch.rand(2, 3, 8, 8)
+    with pytest.raises(RewardError, match="'vandal' modified the images it was given in place"):
+        score_rewards([vandal], ["a", "b"], images, {"source_images": sources})
+    with pytest.raises(Exception, match="source_images must be a \\[B, 3, H, W\\] tensor"):
+        HTTPReward("http://127.0.0.1:9", retries=0)(["a"], images[:1], source_images=["a.png"])
+
+
+def test_resume_fingerprint_and_probe_follow_the_source_images():
+    """Changing a row's source image changes the dataset fingerprint (a resume would refuse it); the DDP probe of an
+    editing model edits small sources, not the model's 1024 px ones."""
+    from datasets import Dataset
+
+    from marble_trl.persistence.resume import dataset_fingerprint
+    from marble_trl.trainer.setup import unreached_trainable
+
+    rows = {"prompt": ["make it red", "make it red"], "source_images": [_png(0), _png(1)]}
+    swapped = {**rows, "source_images": [_png(1), _png(0)]}
+    assert dataset_fingerprint(Dataset.from_dict(rows)) != dataset_fingerprint(Dataset.from_dict(swapped))
+    adapter = load_model("tiny-flux-kontext")
+    adapter.pipeline.source_resolution = 1024
+    seen = []
+    encode_images = adapter.encode_images
+    adapter.encode_images = lambda images, device: seen.append(images.shape[-1]) or encode_images(images, device)
+    params = {n: p for n, p in adapter.transformer.named_parameters() if n.endswith("proj_out.weight")}
+    assert unreached_trainable(adapter, adapter.transformer, params) == []
+    assert seen == [adapter.latent_factor * 2] and adapter.pipeline.source_resolution == 1024

@@ -53,26 +53,23 @@ def is_tiny(name: str | None) -> bool:
     return name in TINY_MODEL_NAMES
 
 
-def shapes_edit_model_path() -> Path:
-    """The folder of the shipped ``shapes-edit`` model (a ``save_pretrained`` folder)."""
-    folder = SHIPPED_WEIGHTS / SHAPES_EDIT_MODEL_NAME
+def _shipped_model(name: str, rebuild: str) -> Path:
+    folder = SHIPPED_WEIGHTS / name
     if not (folder / "model_index.json").is_file():
         raise FileNotFoundError(
-            f"The shipped 'shapes-edit' model is missing from {folder}: reinstall marble_trl, or rebuild it with "
-            "`python -m marble_trl.shapesbench.edit_bench ship`."
+            f"The shipped {name!r} model is missing from {folder}: reinstall marble_trl, or rebuild it with `{rebuild}`."
         )
     return folder
+
+
+def shapes_edit_model_path() -> Path:
+    """The folder of the shipped ``shapes-edit`` model (a ``save_pretrained`` folder)."""
+    return _shipped_model(SHAPES_EDIT_MODEL_NAME, "python -m marble_trl.shapesbench.edit_bench ship")
 
 
 def shapes_model_path() -> Path:
     """The folder of the shipped ``shapes`` model (a ``save_pretrained`` folder)."""
-    folder = SHIPPED_WEIGHTS / SHAPES_MODEL_NAME
-    if not (folder / "model_index.json").is_file():
-        raise FileNotFoundError(
-            f"The shipped 'shapes' model is missing from {folder}: reinstall marble_trl, or rebuild it with "
-            "`python -m marble_trl.shapesbench ship`."
-        )
-    return folder
+    return _shipped_model(SHAPES_MODEL_NAME, "python -m marble_trl.shapesbench ship")
 
 
 _TINY_CHARS = string.ascii_lowercase + string.digits + string.punctuation

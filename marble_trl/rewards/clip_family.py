@@ -208,21 +208,30 @@ class ModelReward:
         raise NotImplementedError
 
     def __call__(self, prompts: list[str], images: torch.Tensor, **_: object) -> list[float]:
+        self.check_images(prompts, images)
+
+        def score(part: slice) -> torch.Tensor:
+            return self._score(list(prompts[part]), images[part].to(self.device, torch.float32))
+
+        return self.batched(len(prompts), score)
+
+    def check_images(self, prompts: list[str], images: torch.Tensor) -> None:
         if images.ndim != 4 or images.shape[1] != 3:
             raise ValueError(f"Reward {self.reward_name!r} expects images [B, 3, H, W], got {tuple(images.shape)}.")
         if len(prompts) != images.shape[0]:
             raise ValueError(f"Reward {self.reward_name!r}: {len(prompts)} prompts for {images.shape[0]} images.")
+
+    def batched(self, count: int, score) -> list[float]:
+        """``score(part)`` over ``batch_size`` slices of ``count`` samples, without gradients, the weights loaded (and
+        on the device while scoring when offloaded)."""
         self.load()
         scores: list[float] = []
         if self.offload:
             self._place(self.device)
         try:
             with torch.no_grad():
-                for start in range(0, len(prompts), self.batch_size):
-                    chunk = images[start : start + self.batch_size].to(self.device, torch.float32)
-                    scores.extend(
-                        self._score(list(prompts[start : start + self.batch_size]), chunk).float().cpu().tolist()
-                    )
+                for start in range(0, count, self.batch_size):
+                    scores.extend(score(slice(start, start + self.batch_size)).float().cpu().tolist())
         finally:
             if self.offload:
                 self._place(self.home)

@@ -53,33 +53,23 @@ class CLIPDirectional(_CLIPReward):
         target_captions: list[str] | None = None,
         **_: object,
     ) -> list[float]:
-        if images.ndim != 4 or images.shape[1] != 3:
-            raise ValueError(f"Reward {self.reward_name!r} expects images [B, 3, H, W], got {tuple(images.shape)}.")
+        self.check_images(prompts, images)
         sources = _check_sources(self.reward_name, images, source_images)
         if (source_captions is None) != (target_captions is None):
             raise ValueError(
                 f"Reward {self.reward_name!r}: give both source_captions and target_captions columns, or neither "
                 "(then the instruction's embedding is the text direction)."
             )
-        self.load()
-        scores: list[float] = []
-        if self.offload:
-            self._place(self.device)
-        try:
-            with torch.no_grad():
-                for start in range(0, len(prompts), self.batch_size):
-                    part = slice(start, start + self.batch_size)
-                    edit = self._image(images[part])
-                    change = F.normalize(edit - self._image(sources[part]), dim=-1)
-                    if target_captions is not None:
-                        text = self._text(list(target_captions[part])) - self._text(list(source_captions[part]))
-                    else:
-                        text = self._text(list(prompts[part]))
-                    scores.extend((change * F.normalize(text, dim=-1)).sum(-1).cpu().tolist())
-        finally:
-            if self.offload:
-                self._place(self.home)
-        return scores
+
+        def score(part: slice) -> torch.Tensor:
+            change = F.normalize(self._image(images[part]) - self._image(sources[part]), dim=-1)
+            if target_captions is not None:
+                text = self._text(list(target_captions[part])) - self._text(list(source_captions[part]))
+            else:
+                text = self._text(list(prompts[part]))
+            return (change * F.normalize(text, dim=-1)).sum(-1)
+
+        return self.batched(len(prompts), score)
 
     def _image(self, pixels: torch.Tensor) -> torch.Tensor:
         pixel_values = self.transform(pixels.to(self.device, torch.float32)).to(self.dtype)

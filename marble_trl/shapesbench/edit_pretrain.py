@@ -34,7 +34,7 @@ from ..models.tiny import (
     tiny_t5_tokenizer,
 )
 from .edits import KINDS, draw, sample_edits
-from .pretrain import _cosine_lr, _log, cache_root, config_key
+from .pretrain import _log, cache_root, config_key, flow_matching
 from .world import to_tensor
 
 FORMAT_VERSION = 1
@@ -153,15 +153,7 @@ def pretrain_edit_model(config: EditPretrainConfig | None = None, force: bool = 
 
 
 def _train(pipe, adapter, sources, targets, prompt_idx, prompts, mu, config, gen, quiet) -> float:
-    modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
-    params = [p for m in modules for p in m.parameters()]
-    for m in modules:
-        m.train().requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=1e-4)
-    recent: list[float] = []
-    for step in range(config.steps):
-        for group in opt.param_groups:
-            group["lr"] = config.lr * _cosine_lr(step, config.steps, config.warmup_steps)
+    def batch_loss() -> torch.Tensor:
         idx = torch.randint(len(targets), (config.batch_size,), generator=gen)
         x0 = targets[idx]
         eps = torch.randn(x0.shape, generator=gen)
@@ -173,15 +165,6 @@ def _train(pipe, adapter, sources, targets, prompt_idx, prompts, mu, config, gen
         )
         pi = prompt_idx[idx]
         cond = FluxKontextConditioning(embeds[pi], pooled[pi], text_ids, None, sources[idx])
-        v = adapter.predict(pipe.transformer, x_t, sigma, cond)
-        loss = torch.nn.functional.mse_loss(v, eps - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        recent = (recent + [loss.item()])[-100:]
-        if step % 100 == 0 or step == config.steps - 1:
-            _log(f"flow step {step}/{config.steps} loss {sum(recent) / len(recent):.4f}", quiet)
-    for m in modules:
-        m.eval().requires_grad_(False)
-    return sum(recent) / len(recent)
+        return torch.nn.functional.mse_loss(adapter.predict(pipe.transformer, x_t, sigma, cond), eps - x0)
+
+    return flow_matching([pipe.transformer, pipe.text_encoder, pipe.text_encoder_2], config, batch_loss, quiet)

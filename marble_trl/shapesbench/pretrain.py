@@ -168,15 +168,8 @@ def _encode_prompts(pipe, prompts: list[str]) -> tuple[torch.Tensor, torch.Tenso
 def train_flow(pipe, latents: torch.Tensor, prompt_idx: torch.Tensor, prompts: list[str], config, gen, quiet) -> float:
     """Rectified-flow training of the transformer and the text encoders; returns the mean loss of the last 100
     steps."""
-    modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
-    params = [p for m in modules for p in m.parameters()]
-    for m in modules:
-        m.train().requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=1e-4)
-    recent: list[float] = []
-    for step in range(config.steps):
-        for group in opt.param_groups:
-            group["lr"] = config.lr * _cosine_lr(step, config.steps, config.warmup_steps)
+
+    def batch_loss() -> torch.Tensor:
         idx = torch.randint(len(latents), (config.batch_size,), generator=gen)
         x0 = latents[idx]
         eps = torch.randn(x0.shape, generator=gen)
@@ -187,7 +180,23 @@ def train_flow(pipe, latents: torch.Tensor, prompt_idx: torch.Tensor, prompts: l
         embeds, pooled = _encode_prompts(pipe, prompts)  # every distinct caption once, then indexed
         pi = prompt_idx[idx]
         v = predict_velocity(pipe.transformer, x_t, sigma, embeds[pi], pooled[pi])
-        loss = torch.nn.functional.mse_loss(v, eps - x0)
+        return torch.nn.functional.mse_loss(v, eps - x0)
+
+    return flow_matching([pipe.transformer, pipe.text_encoder, pipe.text_encoder_2], config, batch_loss, quiet)
+
+
+def flow_matching(modules: list[torch.nn.Module], config, batch_loss, quiet: bool) -> float:
+    """``config.steps`` AdamW steps (cosine schedule with warmup, gradients clipped at 1) of ``modules`` on
+    ``batch_loss()``, a fresh batch's loss each call; returns the mean loss of the last 100 steps."""
+    params = [p for m in modules for p in m.parameters()]
+    for m in modules:
+        m.train().requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=1e-4)
+    recent: list[float] = []
+    for step in range(config.steps):
+        for group in opt.param_groups:
+            group["lr"] = config.lr * _cosine_lr(step, config.steps, config.warmup_steps)
+        loss = batch_loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
