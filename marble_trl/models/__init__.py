@@ -1,10 +1,13 @@
 """Model families (:mod:`.family`: the protocol the trainer talks to; :mod:`.base`: what the diffusers adapters
-share), SD3 / SD3.5 (:mod:`.sd3`), FLUX.1 (:mod:`.flux`) and the offline models (:mod:`.tiny`: ``tiny``, ``shapes``;
+share), SD3 / SD3.5 (:mod:`.sd3`), FLUX.1 (:mod:`.flux`), the editing families (:mod:`.editing`, :mod:`.flux_kontext`,
+:mod:`.qwen_image_edit`) and the offline models (:mod:`.tiny`: ``tiny``, ``shapes``;
 each family module builds its own ``tiny-<family>``)."""
 
 from .family import FAMILIES, Conditioning, FlowModelAdapter, adapter_for, family_of, load_model
 from .flux import FluxAdapter, build_tiny_flux_pipeline
+from .flux_kontext import FluxKontextAdapter
 from .qwen_image import QwenImageAdapter, build_tiny_qwen_image_pipeline
+from .qwen_image_edit import QwenImageEditAdapter, build_tiny_qwen_image_edit_pipeline
 from .sd3 import (
     DEFAULT_LORA_TARGETS,
     PromptEmbeddings,
@@ -34,6 +37,9 @@ __all__ = [
     "TINY_MODEL_NAME",
     "TINY_MODEL_NAMES",
     "FluxAdapter",
+    "FluxKontextAdapter",
+    "QwenImageEditAdapter",
+    "build_tiny_qwen_image_edit_pipeline",
     "WanAdapter",
     "QwenImageAdapter",
     "ZImageAdapter",
