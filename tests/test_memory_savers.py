@@ -51,15 +51,28 @@ def _assert_same(a, b, atol: float) -> None:
             torch.testing.assert_close(x, y, rtol=0, atol=atol, msg=name)
 
 
-@pytest.mark.parametrize("name", [f.tiny_name for f in FAMILIES])
+def _sources(adapter) -> dict:
+    """An editing family's source images for :data:`PROMPTS` (the repeated prompt with another image)."""
+    if not adapter.editing:
+        return {}
+    side = adapter.source_resolution
+    return {"source_images": torch.rand(len(PROMPTS), 3, side, side, generator=torch.Generator().manual_seed(0))}
+
+
+# Qwen-Image-Edit's prompt rows depend on their image: it refuses the cache (tests/test_editing.py)
+CACHEABLE = [f.tiny_name for f in FAMILIES if not getattr(f, "prompt_sees_image", False)]
+
+
+@pytest.mark.parametrize("name", CACHEABLE)
 def test_cached_rows_join_into_the_familys_batch_encoding(name):
     adapter = load_model(name)
     guidance = 3.5 if adapter.guidance == "embedded" else 1.0
-    direct = adapter.encode(PROMPTS, MAX_LEN, CPU, guidance)
+    sources = _sources(adapter)
+    direct = adapter.encode(PROMPTS, MAX_LEN, CPU, guidance, **sources)
     cache = PromptEmbeddingCache(adapter)
     cache.add(PROMPTS[::-1], MAX_LEN, CPU, guidance, batch_size=1)  # other batches, other order: one at a time
     adapter.prompt_cache = cache
-    cached = adapter.encode(PROMPTS, MAX_LEN, CPU, guidance)
+    cached = adapter.encode(PROMPTS, MAX_LEN, CPU, guidance, **sources)
     # Encoded one at a time instead of in one batch: equal up to float rounding of the encoders' products.
     _assert_same(direct, cached, atol=1e-5)
     assert len(cache) == 3 and cache.misses == 0 and cache.nbytes > 0
@@ -77,13 +90,24 @@ class _Calls:
         self.count += 1
 
 
-@pytest.mark.parametrize("saver", ["cache_prompt_embeddings", "offload_text_encoders"])
-@pytest.mark.parametrize(("name", "guidance"), [("tiny", 1.0)] + [(f.tiny_name, "on") for f in FAMILIES])
+SAVER_RUNS = [("tiny", 1.0, s) for s in ("cache_prompt_embeddings", "offload_text_encoders")]
+SAVER_RUNS += [(f.tiny_name, "on", "offload_text_encoders") for f in FAMILIES]
+SAVER_RUNS += [(f.tiny_name, "on", "cache_prompt_embeddings") for f in FAMILIES if f.tiny_name in CACHEABLE]
+
+
+@pytest.mark.parametrize(("name", "guidance", "saver"), SAVER_RUNS)
 def test_saver_trains_as_the_plain_run_with_the_text_encoders_on_the_cpu(tmp_path, saver, name, guidance):
-    """Every family, with guidance on (CFG with the negative prompt; FLUX's embedded guidance) and, on SD3, off."""
-    dataset = load_prompt_dataset()
-    eval_set = Dataset.from_dict({"prompt": ["a prompt only the evaluation uses"]})
+    """Every family, with guidance on (CFG with the negative prompt; FLUX's embedded guidance) and, on SD3, off; an
+    editing family on the ShapesBench edits (its rows' source images)."""
     family = next(f for f in FAMILIES if f.tiny_name == name)
+    if family.editing:
+        from marble_trl.data.sources import load_source
+
+        dataset = load_source("shapes_edit").select(range(16))
+        eval_set = load_source("shapes_edit_eval").select(range(1))
+    else:
+        dataset = load_prompt_dataset()
+        eval_set = Dataset.from_dict({"prompt": ["a prompt only the evaluation uses"]})
     if guidance == "on":
         guidance = 3.5 if family.guidance == "embedded" else 2.0
     runs, logs, calls = {}, {}, {}
@@ -116,8 +140,9 @@ def test_saver_trains_as_the_plain_run_with_the_text_encoders_on_the_cpu(tmp_pat
         assert len(cache) == expected + int(trainer.model_adapter.needs_negative(guidance))
         assert calls[True].count == 0 and cache.misses == 0  # built before the hooks: never called while training
         # Rows encoded in other batches round differently (~1e-7), and Adam's normalised steps carry that into the
-        # LoRA (measured: 1.5e-4 after 2 steps). atol = 10% of one step of lr 1e-2: a wrong row is a whole step.
-        tolerance = 1e-3
+        # LoRA (measured: 1.5e-4 after 2 steps on one VM, 1.4e-3 on another, where a near-zero gradient's step
+        # turned). atol = half of one step of lr 1e-2: a wrong row moves its parameters by whole steps.
+        tolerance = 5e-3
     assert runs[False].keys() == runs[True].keys()
     for n in runs[False]:
         torch.testing.assert_close(runs[True][n], runs[False][n], rtol=0, atol=tolerance, msg=n)

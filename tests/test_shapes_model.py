@@ -95,10 +95,14 @@ def test_shapes_rewards_are_registered():
     from marble_trl.shapesbench.scorers import REWARDS
 
     # the core's name tables list the benchmark's rewards and sources without importing it: they must match it
-    names = {f"shapes_{n}" for n in shapes_rewards.NAMES}
+    names = {f"shapes_{n}" for n in (*shapes_rewards.NAMES, *shapes_rewards.EDIT_NAMES)}
     assert set(shapes_rewards.NAMES) <= set(REWARDS)
+    assert all(callable(getattr(shapes_rewards, f"shapes_{n}")) for n in shapes_rewards.EDIT_NAMES)
     assert names == {n for n in available_rewards() if n.startswith("shapes_")}
-    assert {s for s in SHAPES_SOURCES if s not in ("shapes", "shapes_eval")} == {f"shapes_{f}" for f in world.FAMILIES}
+    editing = ("shapes_edit", "shapes_edit_eval")  # the editing world's rows (tests/test_editing.py)
+    assert {s for s in SHAPES_SOURCES if s not in ("shapes", "shapes_eval", *editing)} == {
+        f"shapes_{f}" for f in world.FAMILIES
+    }
     scenes = [s for s in world.all_scenes() if s.family == "position"][:4]
     images = world.to_tensor(np.stack([world.render(s, i) for i, s in enumerate(scenes)]))
     columns = {c: [s.columns()[c] for s in scenes] for c in world.COLUMNS}

@@ -37,8 +37,12 @@ def _guidance(adapter) -> float:
 def _rollout(adapter, name: str, steps: int, seed: int = 5):
     """``(x0, timesteps the pipeline stepped through)`` of one CFG rollout of the two prompts with solver ``name``."""
     guidance = _guidance(adapter)
-    cond = adapter.encode(PROMPTS, 8, CPU, guidance)
-    negative = adapter.encode([""] * 2, 8, CPU) if adapter.needs_negative(guidance) else None
+    sources = {}  # an editing family edits two source images
+    if adapter.editing:
+        side = adapter.source_resolution
+        sources = {"source_images": torch.rand(2, 3, side, side, generator=torch.Generator().manual_seed(0))}
+    cond = adapter.encode(PROMPTS, 8, CPU, guidance, **sources)
+    negative = adapter.encode([""] * 2, 8, CPU, **sources) if adapter.needs_negative(guidance) else None
     scheduler = make_scheduler(name, adapter.pipeline.scheduler)
     seen: list[float] = []
     step = scheduler.step

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 NAMES = ("alignment", "preference", "color", "count", "position", "fidelity", "judge", "retrieval", "diversity")
+EDIT_NAMES = ("edit_instruction", "edit_preservation")  # the editing world's (marble_trl.shapesbench.edits)
 
 
 def _make(name: str):
