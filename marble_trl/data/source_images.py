@@ -89,8 +89,11 @@ def check_source_images(dataset, name: str = "train_dataset", base_dir: str | Pa
     column = _undecoded(dataset)[SOURCE_IMAGES_COLUMN]
     for row, value in enumerate(column):
         try:
-            image = open_image(_one(value, row, name), base_dir)
+            one = _one(value, row, name)
+            image = open_image(one, base_dir)
             image.size  # noqa: B018 - the header is read by open
+            if image is not one:  # a file PIL opened here: closed now, not when the garbage collector gets to it
+                image.close()
         except ValueError as err:
             if "source images;" in str(err):
                 raise
@@ -173,7 +176,10 @@ class SourceImageLoader:
             self._cache.move_to_end(key)
             return self._cache[key]
         try:
-            pixels = to_pixels(open_image(value, self.base_dir), self.resolution)
+            image = open_image(value, self.base_dir)
+            pixels = to_pixels(image, self.resolution)
+            if image is not value:
+                image.close()
         except Exception as err:
             where = f"batch position {row}: " if row is not None else ""
             raise ValueError(
