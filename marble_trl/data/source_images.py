@@ -53,8 +53,9 @@ def _key(value: Any) -> str | None:
     return None
 
 
-def open_image(value: Any, base_dir: str | Path | None = None):
-    """A PIL image from one ``source_images`` value (not yet decoded: PIL reads the header only)."""
+def open_image(value: Any):
+    """A PIL image from one ``source_images`` value (not yet decoded: PIL reads the header only; a relative path is
+    relative to the working folder: :func:`resolve_image_paths` made a data file's absolute)."""
     from PIL import Image
 
     if isinstance(value, Image.Image):
@@ -69,15 +70,13 @@ def open_image(value: Any, base_dir: str | Path | None = None):
         return Image.open(io.BytesIO(value))
     if isinstance(value, (str, Path)):
         path = Path(value).expanduser()
-        if not path.is_absolute() and base_dir is not None:
-            path = Path(base_dir) / path
         if not path.is_file():
             raise FileNotFoundError(f"no image file {str(path)!r}")
         return Image.open(path)
     raise TypeError(f"{type(value).__name__} is not an image (a path, bytes, a PIL image or a Hub Image column)")
 
 
-def check_source_images(dataset, name: str = "train_dataset", base_dir: str | Path | None = None) -> None:
+def check_source_images(dataset, name: str = "train_dataset") -> None:
     """Open every row's source image header (cheap: no pixels are decoded): a missing column, a missing file, an
     unreadable image or several images in a row raise ``ValueError`` naming the row and the fix."""
     if SOURCE_IMAGES_COLUMN not in dataset.column_names:
@@ -90,7 +89,7 @@ def check_source_images(dataset, name: str = "train_dataset", base_dir: str | Pa
     for row, value in enumerate(column):
         try:
             one = _one(value, row, name)
-            image = open_image(one, base_dir)
+            image = open_image(one)
             image.size  # noqa: B018 - the header is read by open
             if image is not one:  # a file PIL opened here: closed now, not when the garbage collector gets to it
                 image.close()
@@ -155,9 +154,8 @@ class SourceImageLoader:
     bounded in bytes (``cache_bytes``, 1 GiB: about 340 sources at 1024 x 1024); decoded PIL images (a Hub ``Image``
     column read by ``datasets``) are resized each time, their decoding is ``datasets``'."""
 
-    def __init__(self, resolution: int, base_dir: str | Path | None = None, cache_bytes: int = 1 << 30) -> None:
+    def __init__(self, resolution: int, cache_bytes: int = 1 << 30) -> None:
         self.resolution = resolution
-        self.base_dir = base_dir
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._bytes = 0
@@ -176,7 +174,7 @@ class SourceImageLoader:
             self._cache.move_to_end(key)
             return self._cache[key]
         try:
-            image = open_image(value, self.base_dir)
+            image = open_image(value)
             pixels = to_pixels(image, self.resolution)
             if image is not value:
                 image.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, ClassVar
 
 import torch
@@ -218,10 +218,16 @@ class DiffusersFlowAdapter:
         if self.prompt_cache is not None:
             cond = self.prompt_cache.lookup(unique, max_sequence_length, device, guidance_scale)
         else:
-            visiting = encoders_visiting(self.pipeline, device) if self.text_encoders_offloaded else nullcontext()
-            with torch.no_grad(), visiting:
+            with self.text_encoding(device):
                 cond = self._encode(unique, max_sequence_length, device, guidance_scale)
         return cond.index(torch.tensor(rows))
+
+    @contextmanager
+    def text_encoding(self, device: torch.device):
+        """No gradients, and the text encoders on ``device`` when they live offloaded in CPU memory."""
+        visiting = encoders_visiting(self.pipeline, device) if self.text_encoders_offloaded else nullcontext()
+        with torch.no_grad(), visiting:
+            yield
 
     def _encode(self, prompts: list[str], max_sequence_length: int, device: torch.device, guidance_scale: float):
         raise NotImplementedError
@@ -275,12 +281,22 @@ def vae_decode(vae, latents: torch.Tensor) -> torch.Tensor:
     return (vae.decode(scaled, return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
 
 
+def _latent_stats(vae, latents: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, dtype)
+    return mean, torch.tensor(vae.config.latents_std).view(shape).to(latents.device, dtype)
+
+
 def vae_denormalize(vae, latents: torch.Tensor) -> torch.Tensor:
     """Latents ``[B, C, F, H, W]`` of a mean/std-normalised VAE (Wan's, Qwen-Image's) back to the VAE's scale."""
-    shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, vae.dtype)
-    std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, vae.dtype)
+    mean, std = _latent_stats(vae, latents, vae.dtype)
     return latents.to(vae.dtype) * std + mean
+
+
+def vae_normalize(vae, latents: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`vae_denormalize`, in the latents' dtype (the pipelines' ``_encode_vae_image``)."""
+    mean, std = _latent_stats(vae, latents, latents.dtype)
+    return (latents - mean) / std
 
 
 def save_diffusers_lora(

@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from .base import unique_index
+
 
 class EditingAdapter:
     """The part of an editing family's adapter that is about its source images (mixed in before the family's text-to-
@@ -75,15 +77,8 @@ def unique_images(images: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """The distinct images of ``images`` (``[B, ...]``) in first-seen order, and each image's row among them (a group
     repeats its source ``num_generations`` times: the VAE encodes it once)."""
     keys = [hashlib.sha1(img.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest() for img in images]
-    where: dict[str, int] = {}
-    first: list[int] = []
-    rows = []
-    for i, key in enumerate(keys):
-        if key not in where:
-            where[key] = len(first)
-            first.append(i)
-        rows.append(where[key])
-    return images[first], rows
+    distinct, rows = unique_index(keys)
+    return images[[keys.index(key) for key in distinct]], rows
 
 
 def source_kwargs(adapter, source_images: torch.Tensor | None) -> dict[str, Any]:

@@ -84,6 +84,21 @@ def image_ids(height: int, width: int, device, dtype) -> torch.Tensor:
     return ids.reshape(-1, 3).to(device=device, dtype=dtype)
 
 
+def flux_velocity(module: torch.nn.Module, tokens: torch.Tensor, ids: torch.Tensor, sigma: torch.Tensor, cond):
+    """The FLUX transformer's output on packed ``tokens`` with position ids ``ids`` (FLUX.1 Kontext appends the
+    source's tokens to the target's)."""
+    return module(
+        hidden_states=tokens,
+        timestep=sigma.expand(tokens.shape[0]),  # FLUX takes sigma; it scales by 1000 itself
+        guidance=cond.guidance,
+        pooled_projections=cond.pooled,
+        encoder_hidden_states=cond.prompt_embeds,
+        txt_ids=cond.text_ids,
+        img_ids=ids,
+        return_dict=False,
+    )[0]
+
+
 def flux_timestep_kwargs(scheduler_config, num_steps: int, image_tokens: int) -> dict:
     """``FluxPipeline.__call__``'s ``set_timesteps`` arguments: its sigma list and the dynamic shift ``mu``."""
     import numpy as np
@@ -159,18 +174,8 @@ class FluxAdapter(PackedLatentAdapter):
 
     @staticmethod
     def predict(module: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, cond: FluxConditioning):
-        b, _, h, w = x_t.shape
-        velocity = module(
-            hidden_states=pack(x_t),
-            timestep=sigma.expand(b),  # FLUX takes sigma; it scales by 1000 itself
-            guidance=cond.guidance,
-            pooled_projections=cond.pooled,
-            encoder_hidden_states=cond.prompt_embeds,
-            txt_ids=cond.text_ids,
-            img_ids=image_ids(h, w, x_t.device, x_t.dtype),
-            return_dict=False,
-        )[0]
-        return unpack(velocity, h, w)
+        _, _, h, w = x_t.shape
+        return unpack(flux_velocity(module, pack(x_t), image_ids(h, w, x_t.device, x_t.dtype), sigma, cond), h, w)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .editing import EditingAdapter, unique_images
-from .flux import FluxAdapter, FluxConditioning, build_tiny_flux_pipeline, image_ids, pack, unpack
+from .flux import FluxAdapter, FluxConditioning, build_tiny_flux_pipeline, flux_velocity, image_ids, pack, unpack
 from .tiny import SHAPES_EDIT_MODEL_NAME, TINY_FLUX_KONTEXT_NAME, TINY_SOURCE_RESOLUTION, shapes_edit_model_path
 
 
@@ -104,20 +104,11 @@ class FluxKontextAdapter(EditingAdapter, FluxAdapter):
 
     @staticmethod
     def predict(module: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, cond: FluxKontextConditioning):
-        b, _, h, w = x_t.shape
+        _, _, h, w = x_t.shape
         source = cond.image_latents.to(x_t.dtype)
-        sh, sw = source.shape[-2:]
-        source_ids = image_ids(sh, sw, x_t.device, x_t.dtype)
+        source_ids = image_ids(*source.shape[-2:], x_t.device, x_t.dtype)
         source_ids[:, 0] = 1  # the source's ids: the target's with the first coordinate 1
         target = pack(x_t)
-        velocity = module(
-            hidden_states=torch.cat([target, pack(source)], dim=1),
-            timestep=sigma.expand(b),
-            guidance=cond.guidance,
-            pooled_projections=cond.pooled,
-            encoder_hidden_states=cond.prompt_embeds,
-            txt_ids=cond.text_ids,
-            img_ids=torch.cat([image_ids(h, w, x_t.device, x_t.dtype), source_ids]),
-            return_dict=False,
-        )[0]
-        return unpack(velocity[:, : target.shape[1]], h, w)
+        tokens = torch.cat([target, pack(source)], dim=1)
+        ids = torch.cat([image_ids(h, w, x_t.device, x_t.dtype), source_ids])
+        return unpack(flux_velocity(module, tokens, ids, sigma, cond)[:, : target.shape[1]], h, w)

@@ -120,16 +120,8 @@ class QwenImageAdapter(PackedLatentAdapter):
 
     @staticmethod
     def predict(module: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, cond: QwenImageConditioning):
-        b, _, h, w = x_t.shape
-        velocity = module(
-            hidden_states=pack(x_t),
-            timestep=sigma.expand(b).to(x_t.dtype),
-            encoder_hidden_states=cond.prompt_embeds,
-            encoder_hidden_states_mask=cond.mask,
-            img_shapes=[[(1, h // 2, w // 2)]] * b,
-            return_dict=False,
-        )[0]
-        return unpack(velocity, h, w)
+        _, _, h, w = x_t.shape
+        return unpack(qwen_velocity(module, pack(x_t), [(1, h // 2, w // 2)], sigma, cond), h, w)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -139,6 +131,19 @@ class QwenImageAdapter(PackedLatentAdapter):
 
 
 VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def qwen_velocity(module: torch.nn.Module, tokens: torch.Tensor, shapes: list, sigma: torch.Tensor, cond):
+    """The Qwen-Image transformer's output on packed ``tokens`` made of the latents of ``shapes`` (``(frames, h, w)``
+    each, in packed units: Qwen-Image-Edit appends the source's to the target's)."""
+    return module(
+        hidden_states=tokens,
+        timestep=sigma.expand(tokens.shape[0]).to(tokens.dtype),
+        encoder_hidden_states=cond.prompt_embeds,
+        encoder_hidden_states_mask=cond.mask,
+        img_shapes=[shapes] * tokens.shape[0],
+        return_dict=False,
+    )[0]
 
 
 def tiny_qwen_tokenizer(vision: bool = False):

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from ..rollout.solvers import pinned_grid
+from .base import vae_normalize
 from .editing import EditingAdapter, unique_images
 from .flux import pack, unpack
 from .loading import seeded_build
-from .qwen_image import QwenImageAdapter, QwenImageConditioning, qwen_image_components
+from .qwen_image import QwenImageAdapter, QwenImageConditioning, qwen_image_components, qwen_velocity
 from .tiny import TINY_QWEN_IMAGE_EDIT_NAME, TINY_SOURCE_RESOLUTION, tiny_dynamic_shift_scheduler
 
 PIPELINE_CONDITION_AREA = 1024 * 1024  # QwenImageEditPipeline.__call__'s calculate_dimensions(1024 * 1024, ratio)
@@ -87,14 +88,10 @@ class QwenImageEditAdapter(EditingAdapter, QwenImageAdapter):
         return cond.index(rows)
 
     def _encode_pairs(self, pairs, pixels: torch.Tensor, max_sequence_length: int, device):
-        from contextlib import nullcontext
-
         from ..rewards.images import to_pil
-        from .prompt_cache import encoders_visiting
 
-        visiting = encoders_visiting(self.pipeline, device) if self.text_encoders_offloaded else nullcontext()
         pil = to_pil(pixels)
-        with torch.no_grad(), visiting:
+        with self.text_encoding(device):
             return self.pipeline.encode_prompt(
                 prompt=[p for p, _ in pairs],
                 image=[pil[k] for _, k in pairs],
@@ -108,11 +105,7 @@ class QwenImageEditAdapter(EditingAdapter, QwenImageAdapter):
         """``[B, 3, H, W]`` in ``[0, 1]`` -> the normalised VAE latents ``[B, C, h, w]`` (``_encode_vae_image``)."""
         vae = self.pipeline.vae
         x = (pixels.to(device).float() * 2 - 1).to(vae.dtype)[:, :, None]  # VaeImageProcessor.normalize; frames
-        latents = vae.encode(x).latent_dist.mode()
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        std = torch.tensor(vae.config.latents_std).view(shape).to(latents.device, latents.dtype)
-        return ((latents - mean) / std)[:, :, 0]
+        return vae_normalize(vae, vae.encode(x).latent_dist.mode())[:, :, 0]
 
     @torch.no_grad()
     def sample(self, scheduler, cond: QwenImageEditConditioning, num_steps: int, resolution: int,
@@ -148,19 +141,13 @@ class QwenImageEditAdapter(EditingAdapter, QwenImageAdapter):
 
     @staticmethod
     def predict(module: torch.nn.Module, x_t: torch.Tensor, sigma: torch.Tensor, cond: QwenImageEditConditioning):
-        b, _, h, w = x_t.shape
+        _, _, h, w = x_t.shape
         source = cond.image_latents.to(x_t.dtype)
         sh, sw = source.shape[-2:]
         target = pack(x_t)
-        velocity = module(
-            hidden_states=torch.cat([target, pack(source)], dim=1),
-            timestep=sigma.expand(b).to(x_t.dtype),
-            encoder_hidden_states=cond.prompt_embeds,
-            encoder_hidden_states_mask=cond.mask,
-            img_shapes=[[(1, h // 2, w // 2), (1, sh // 2, sw // 2)]] * b,
-            return_dict=False,
-        )[0]
-        return unpack(velocity[:, : target.shape[1]], h, w)
+        tokens = torch.cat([target, pack(source)], dim=1)
+        shapes = [(1, h // 2, w // 2), (1, sh // 2, sw // 2)]
+        return unpack(qwen_velocity(module, tokens, shapes, sigma, cond)[:, : target.shape[1]], h, w)
 
 
 def tiny_qwen_vl_processor(tokenizer):

@@ -139,31 +139,24 @@ def _dataset(script_args, args, report: Report):
 
 
 def _source_images(family, dataset, args, report: Report) -> None:
-    """An editing model's rows' source images (every header read, as the trainer does) and its prompt cache, or a
-    text-to-image model's refusal of them."""
-    from ..data.source_images import SOURCE_IMAGES_COLUMN, check_source_images
+    """The trainer's checks of the source images (an editing model's every header read; a text-to-image model's
+    refusal of them) and of an editing model's prompt cache."""
+    from ..trainer.setup import check_editing_data
 
     if family.editing and family.prompt_sees_image and args.cache_prompt_embeddings:
         report.error(
             "config",
             f"cache_prompt_embeddings: {family.pipeline_class_name}'s prompt conditioning depends on the source image",
-            "set --cache_prompt_embeddings false (--offload_text_encoders true still frees the GPU between encodings)",
+            "set --cache_prompt_embeddings false (--offload_text_encoders still frees the GPU between encodings)",
         )
-
-    if not family.editing:
-        if SOURCE_IMAGES_COLUMN in dataset.column_names:
-            report.error(
-                "data",
-                f"the data has a {SOURCE_IMAGES_COLUMN!r} column, but {family.pipeline_class_name} generates from text",
-                "train an editing model (FLUX.1 Kontext, Qwen-Image-Edit; docs/models.md) or drop the column",
-            )
-        return
     try:
-        check_source_images(dataset)
+        check_editing_data(family, dataset, "train_dataset")
     except ValueError as err:
-        report.error("data", str(err), "give every row a readable source image (docs/models.md#editing-models)")
+        report.error("data", str(err), "give an editing model a readable source image per row, a text-to-image "
+                     "model none (docs/models.md#editing-models)")  # fmt: skip
         return
-    report.note("data", f"{len(dataset)} source images readable ({family.pipeline_class_name} edits them).")
+    if family.editing:
+        report.note("data", f"{len(dataset)} source images readable ({family.pipeline_class_name} edits them).")
 
 
 def _trainer_reward_checks(script_args, args, funcs: dict, dataset, info, report: Report) -> None:

@@ -225,14 +225,14 @@ def source_image_loader(adapter, args, train_dataset, eval_dataset) -> SourceIma
     return SourceImageLoader(adapter.source_resolution)
 
 
-def check_editing_data(adapter, dataset, name: str) -> None:
+def check_editing_data(family, dataset, name: str) -> None:
     """An editing model's dataset has a readable source image in every row (errors name the row); a text-to-image
-    model's has no ``source_images`` column."""
-    if adapter.editing:
+    model's has no ``source_images`` column. ``family``: the adapter, or its class (``marble-trl check``)."""
+    if family.editing:
         check_source_images(dataset, name)
     elif SOURCE_IMAGES_COLUMN in dataset.column_names:
         raise ValueError(
-            f"{name} has a {SOURCE_IMAGES_COLUMN!r} column, but {type(adapter.pipeline).__name__} generates from text "
+            f"{name} has a {SOURCE_IMAGES_COLUMN!r} column, but {family.pipeline_class_name} generates from text "
             "alone: train an editing model (FLUX.1 Kontext, Qwen-Image-Edit; docs/models.md) or drop the column."
         )
 
