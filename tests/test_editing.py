@@ -269,6 +269,14 @@ def test_shapes_edit_scorers_reward_the_edit_and_the_untouched_rest():
     assert min(edits.preservation(prompts, target, source_images=source, **columns)) == pytest.approx(1.0)
     noise = torch.rand_like(source, generator=torch.Generator().manual_seed(0))
     assert max(edits.preservation(prompts, noise, source_images=source, **columns)) < 0.01
+    # object by object: the kept shape removed or recoloured zeroes its quadrant, the untouched empty ones score 1
+    kept = [len(edits.QUADRANTS) - len(e.edit_quadrants) for e in examples]
+    expected = [(k - 1) / k for k in kept]
+    for damage in (lambda e, s: None, lambda e, s: s.recolored(next(c for c in edits.COLORS if c != s.color))):
+        damaged = [tuple(x for x in e.target if x != e.source[1]) + tuple(filter(None, [damage(e, e.source[1])]))
+                   for e in examples]  # fmt: skip
+        images = to_tensor(np.stack([edits.draw(d) for d in damaged]))
+        assert edits.preservation(prompts, images, source_images=source, **columns) == pytest.approx(expected)
     # the loaded rows' PNG sources are the drawn scenes
     dataset = edits.edit_dataset(8, seed=7)
     loaded = SourceImageLoader(32)(dataset["source_images"])
@@ -281,11 +289,15 @@ def test_shapes_edit_model_and_benchmark_run_as_documented(tmp_path):
     benchmark run (a step of MARBLE on the three rewards) writes the record the report reads."""
     from marble_trl.models import family_of
     from marble_trl.models.flux_kontext import FluxKontextAdapter
+    from marble_trl.models.tiny import shapes_edit_model_path
     from marble_trl.shapesbench.edit_bench import EditBudget, report, run_one
+    from marble_trl.shapesbench.edit_pretrain import EditPretrainConfig
 
     assert family_of("shapes-edit") is FluxKontextAdapter
     adapter = load_model("shapes-edit")
     assert adapter.source_resolution == 32 and adapter.pipeline.name_or_path == "shapes-edit"
+    info = json.loads((shapes_edit_model_path() / "shapesbench.json").read_text())
+    assert info["key"] == EditPretrainConfig().key()  # the shipped model is the default pretraining's
     budget = EditBudget(steps=1, prompts_per_step=2, num_generations=2, eval_images_per_row=1)
     record = run_one("marble", 0, budget, tmp_path)
     assert set(record["base"]) == set(record["after"]) == {"instruction", "preservation", "fidelity"}

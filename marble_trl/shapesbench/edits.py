@@ -14,7 +14,8 @@ Each row carries what the scorers check: the quadrant that must hold the asked s
 (``edit_quadrants``); everything outside them must stay as in the source. Two scorers read them:
 
 - :func:`instruction`: did the edit happen (the asked shape and colour in the target quadrant, the vacated one empty);
-- :func:`preservation`: is the rest of the scene unchanged (pixels outside the edited quadrants against the source).
+- :func:`preservation`: is the rest of the scene unchanged (each object outside the edited quadrants, pixel labels
+  against the source's).
 
 The rows' source images are PNG bytes in ``source_images`` (the editing data contract, docs/models.md).
 """
@@ -212,27 +213,39 @@ def instruction(
     return out
 
 
-# A pixel is visibly changed when its mean RGB difference to the source exceeds 0.2 (the VAE's own round trip changes
-# 0.2% of the pixels that much, a mean absolute difference of 0.018 that a pixel average would count against the
-# model); preservation is 0 once 2% of the unedited area is changed.
-CHANGED = 0.2
-CHANGED_SHARE = 0.02
+# A kept quadrant may differ from its source by this many pixels' worth before it scores 0 when it holds no object
+# (an empty quadrant: the instruction check's own tolerance for specks, :func:`_empty`).
+EMPTY_TOLERANCE_PX = 20
+
+
+def _labels(images: torch.Tensor) -> torch.Tensor:
+    """``[B, H, W]``: each pixel's nearest palette colour where it is foreground, -1 on the background."""
+    from .scorers import foreground, nearest_color
+
+    x = images.float()
+    return torch.where(foreground(x), nearest_color(x), torch.tensor(-1))
 
 
 def preservation(
     prompts: list[str], images: torch.Tensor, source_images=None, edit_quadrants=None, **_
 ) -> list[float | None]:
-    """Preservation of the unedited content: ``1 - min(1, s / 0.02)`` with ``s`` the share of the pixels outside the
-    quadrants the edit may change that differ visibly from the source (mean RGB difference > 0.2); 1 for an untouched
-    rest, ``None`` without a source image."""
+    """Preservation of the unedited content, object by object: the mean over the quadrants the edit must leave alone
+    of ``max(0, 1 - m / max(n, 20))``, with ``m`` the pixels whose object label (the nearest palette colour of a
+    foreground pixel, or background) differs from the source's and ``n`` the source object's pixels there (an empty
+    quadrant tolerates 20); 1 for an untouched rest, 0 for a kept object removed or recoloured; ``None`` without a
+    source image."""
     if source_images is None:
         return [None] * len(prompts)
-    changed = (images.float() - source_images.float().to(images.device)).abs().mean(dim=1) > CHANGED  # [B, H, W]
+    edited, source = _labels(images).cpu(), _labels(source_images.to(images.device)).cpu()
     out: list[float | None] = []
     for i in range(len(prompts)):
-        keep = torch.ones(changed.shape[1:], dtype=torch.bool)
-        for q in (edit_quadrants[i] if edit_quadrants is not None else None) or ():
-            _quadrant(keep, q)[...] = False
-        share = float(changed[i][keep.to(changed.device)].float().mean())
-        out.append(1.0 - min(1.0, share / CHANGED_SHARE))
+        moved = set((edit_quadrants[i] if edit_quadrants is not None else None) or ())
+        scores = []
+        for q in QUADRANTS:
+            if q in moved:
+                continue
+            s, e = _quadrant(source[i], q), _quadrant(edited[i], q)
+            mismatch = int(((s != e) & ((s >= 0) | (e >= 0))).sum())
+            scores.append(max(0.0, 1.0 - mismatch / max(int((s >= 0).sum()), EMPTY_TOLERANCE_PX)))
+        out.append(sum(scores) / len(scores) if scores else None)
     return out
