@@ -7,13 +7,13 @@ Protocol (decided before the runs, docs/shapesbench.md#editing):
 - rewards: ``instruction`` (the edit happened), ``preservation`` (the rest is unchanged), and ``fidelity`` (the
   world's prompt-free image quality, ShapesBench's general reward);
 - methods: each reward alone (the learnability check: +0.10 over the base, mean of the seeds), the weighted sum
-  (``sum_then_normalize``), MARBLE (the paper's, N = 10); seeds 10, 11, 12, one budget for all (advantages scaled by
+  (``sum_then_normalize``), MARBLE (the paper's, N = 10); seeds 20, 21, 22, one budget for all (advantages scaled by
   the batch's std, as DiffusionNFT's released code does);
 - evaluation: every held-out row edited ``eval_images_per_row`` times with fixed noise (the trainer's ``evaluate``,
   seeds from ``eval_seed``), every reward scored on every edit; the base model's scores come from the same call
   before training; mean and s.e.m. over edits.
 
-``python -m marble_trl.shapesbench.edit_bench run --out DIR [--seeds 10 11 12] [--jobs 2]`` writes one JSON record per
+``python -m marble_trl.shapesbench.edit_bench run --out DIR [--seeds 20 21 22] [--jobs 2]`` writes one JSON record per
 run, ``report --out DIR`` prints the tables, ``pretrain`` / ``ship`` build the base model and copy it into the
 package (``marble_trl/shapesbench/weights/shapes-edit``).
 """
@@ -37,7 +37,7 @@ METHODS = {
     "weighted_sum": (tuple(REWARDS), {"multi_objective_aggregation": "sum_then_normalize"}),
     "marble": (tuple(REWARDS), {"multi_objective_aggregation": "marble", "marble_refresh_interval": 10}),
 }
-SEEDS = (10, 11, 12)  # the protocol's (docs/shapesbench.md#editing); seed 100 calibrated it, 0-2 ran the first world
+SEEDS = (20, 21, 22)  # the protocol's (docs/shapesbench.md#editing); seeds 10 and 100 calibrated it, 0-2 ran v1
 LEARNABLE = 0.10  # each reward alone must gain this much over the base (the text-to-image benchmark's bar)
 
 
@@ -47,11 +47,13 @@ class EditBudget:
     num_generations: int = 8
     prompts_per_step: int = 4
     sample_steps: int = 6
-    learning_rate: float = 2e-3
+    # 2e-3 (the text-to-image benchmark's) collapsed instruction alone on seed 10 (0.24 -> 0.06);
+    # 1e-3 learned it there (0.47), as 5e-4 did (0.51) (docs/shapesbench.md#how-the-editing-world-became-learnable)
+    learning_rate: float = 1e-3
     lora_r: int = 8
     beta: float = 1e-4
     # DiffusionNFT's released global std: the per-group std amplified groups of near-equal failures (instruction scores
-    # of ~1e-3) into full-size advantages, and instruction alone collapsed (seed 100: 0.24 -> 0.20; batch: 0.44)
+    # of ~1e-3) into full-size advantages, and instruction alone collapsed (seed 100, lr 2e-3: 0.24 -> 0.20; batch: 0.44)
     scale_rewards: str = "batch"
     eval_images_per_row: int = 4
     eval_seed: int = 12345

@@ -213,8 +213,8 @@ def instruction(
     return out
 
 
-# A kept quadrant may differ from its source by this many pixels' worth before it scores 0 when it holds no object
-# (an empty quadrant: the instruction check's own tolerance for specks, :func:`_empty`).
+# An empty kept quadrant scores 0 once this many of its pixels differ from the source (the specks :func:`_empty`
+# tolerates); an occupied one once as many as its object has.
 EMPTY_TOLERANCE_PX = 20
 
 
@@ -245,7 +245,7 @@ def preservation(
             if q in moved:
                 continue
             s, e = _quadrant(source[i], q), _quadrant(edited[i], q)
-            mismatch = int(((s != e) & ((s >= 0) | (e >= 0))).sum())
+            mismatch = int((s != e).sum())  # both background (-1) counts as equal
             scores.append(max(0.0, 1.0 - mismatch / max(int((s >= 0).sum()), EMPTY_TOLERANCE_PX)))
         out.append(sum(scores) / len(scores) if scores else None)
     return out
