@@ -277,6 +277,21 @@ def test_shapes_edit_scorers_reward_the_edit_and_the_untouched_rest():
                    for e in examples]  # fmt: skip
         images = to_tensor(np.stack([edits.draw(d) for d in damaged]))
         assert edits.preservation(prompts, images, source_images=source, **columns) == pytest.approx(expected)
+    # graded: 10 stray pixels in an empty kept quadrant cost half of it (20 px tolerated), a whole object all of it
+    free = [next(q for q in edits.QUADRANTS if q not in e.edit_quadrants and q not in {x.quadrant for x in e.source})
+            for e in examples]  # fmt: skip
+    specks = target.clone()
+    for i, q in enumerate(free):
+        qx, qy = edits.QUADRANTS[q]
+        specks[i, :, qy * 16 + 8, qx * 16 + 3 : qx * 16 + 13] = torch.tensor([1.0, 0.0, 0.0])[:, None]
+    assert edits.preservation(prompts, specks, source_images=source, **columns) == pytest.approx(
+        [1 - 0.5 / k for k in kept]
+    )
+    intruder = [e.target + (edits.Shape("square", "red", q, 5.0, 0.0, 0.0),) for e, q in zip(examples, free)]
+    images = to_tensor(np.stack([edits.draw(d) for d in intruder]))
+    assert edits.preservation(prompts, images, source_images=source, **columns) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="row 0's edit_quadrants 'top left' name unknown quadrants"):
+        edits.preservation(prompts[:1], images[:1], source_images=source[:1], edit_quadrants=["top left"])
     # the loaded rows' PNG sources are the drawn scenes
     dataset = edits.edit_dataset(8, seed=7)
     loaded = SourceImageLoader(32)(dataset["source_images"])

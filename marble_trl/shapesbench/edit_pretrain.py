@@ -49,7 +49,7 @@ class EditPretrainConfig:
 
     seed: int = 0
     num_examples: int = 12000
-    # 500 steps leave the base room on every reward (held-out instruction 0.25, preservation 0.67, fidelity 0.40);
+    # 500 steps leave the base room on every reward (held-out instruction 0.24, preservation 0.66, fidelity 0.40);
     # 1,500 edited so well that each reward's room was fine rendering, which RL did not learn (docs/shapesbench.md)
     steps: int = 500
     batch_size: int = 64

@@ -222,8 +222,8 @@ def _labels(images: torch.Tensor) -> torch.Tensor:
     """``[B, H, W]``: each pixel's nearest palette colour where it is foreground, -1 on the background."""
     from .scorers import foreground, nearest_color
 
-    x = images.float()
-    return torch.where(foreground(x), nearest_color(x), torch.tensor(-1))
+    x = images.detach().float().cpu()  # the palette lives on the CPU, as the other scorers' pixel loops do
+    return torch.where(foreground(x), nearest_color(x), -1)
 
 
 def preservation(
@@ -233,13 +233,18 @@ def preservation(
     of ``max(0, 1 - m / max(n, 20))``, with ``m`` the pixels whose object label (the nearest palette colour of a
     foreground pixel, or background) differs from the source's and ``n`` the source object's pixels there (an empty
     quadrant tolerates 20); 1 for an untouched rest, 0 for a kept object removed or recoloured; ``None`` without a
-    source image."""
+    source image or where the edit may change every quadrant. ``source_images`` holds one source per image."""
     if source_images is None:
         return [None] * len(prompts)
-    edited, source = _labels(images).cpu(), _labels(source_images.to(images.device)).cpu()
+    edited, source = _labels(images), _labels(source_images)
     out: list[float | None] = []
     for i in range(len(prompts)):
         moved = set((edit_quadrants[i] if edit_quadrants is not None else None) or ())
+        if moved - QUADRANTS.keys():
+            raise ValueError(
+                f"preservation: row {i}'s edit_quadrants {edit_quadrants[i]!r} name unknown quadrants; each must be one of "
+                f"{list(QUADRANTS)} (a list per row)."
+            )
         scores = []
         for q in QUADRANTS:
             if q in moved:
