@@ -163,7 +163,7 @@ def report(out: Path) -> str:
             reward = method.removeprefix("only_")
             gain, sem = _mean_sem([rec["after"][reward][0] - rec["base"][reward][0] for rec in rows])
             ok = "yes" if gain >= LEARNABLE else "no"
-            learn.append(f"| {reward} | {gain:+.3f} ± {sem:.3f} | {ok} |")
+            learn.append(f"| {reward} | {gain:+.4f} ± {sem:.4f} | {ok} |")  # 4 places: a gain may round to the bar
     table = "\n".join(lines)
     if learn:
         head = f"| reward alone | gain over the base | >= +{LEARNABLE:.2f} |\n| --- | ---: | :---: |\n"
