@@ -185,10 +185,15 @@ def _holds(images: torch.Tensor, i: int, quadrant: str, shape: str, color: str) 
     return frac * min(1.0, area / 30.0) * shape_match(fg.numpy(), shape)
 
 
+# An empty quadrant scores 0 once this many of its pixels are foreground (specks, for the instruction's vacated
+# quadrant) or differ from the source (preservation's kept quadrants; an occupied one once as many as its object has).
+EMPTY_TOLERANCE_PX = 20
+
+
 def _empty(images: torch.Tensor, i: int, quadrant: str) -> float:
     from .scorers import foreground
 
-    return max(0.0, 1.0 - float(foreground(_quadrant(images[i : i + 1].float(), quadrant)).sum()) / 20.0)
+    return max(0.0, 1.0 - float(foreground(_quadrant(images[i : i + 1].float(), quadrant)).sum()) / EMPTY_TOLERANCE_PX)
 
 
 def instruction(
@@ -211,11 +216,6 @@ def instruction(
             checks.append(_empty(images, i, vacate))
         out.append(sum(checks) / len(checks))
     return out
-
-
-# An empty kept quadrant scores 0 once this many of its pixels differ from the source (the specks :func:`_empty`
-# tolerates); an occupied one once as many as its object has.
-EMPTY_TOLERANCE_PX = 20
 
 
 def _labels(images: torch.Tensor) -> torch.Tensor:
